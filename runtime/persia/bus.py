@@ -1,0 +1,217 @@
+"""NATS request/reply for discovery, control and batch dispatch, behind a synchronous facade.
+
+User scripts (data loaders, NN workers) are synchronous, nats-py is asyncio: every process owns one
+:class:`NatsBus` whose event loop runs in a daemon thread. Payloads go through
+:mod:`persia.wire.codec` (never pickle). Replies are ``{"ok": value}``, ``{"busy": True}`` or
+``{"error": message, "kind": name}``, so a full buffer (back-pressure) is distinguishable from a
+failure and from a missing responder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable
+
+import nats
+import nats.errors
+
+from persia.errors import BusyError, RemoteError
+from persia.wire.codec import decode, encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_NATS_URL = "nats://persia_nats_service:4222"
+BUSY = object()
+"""Return this from a handler to answer "busy, retry later"."""
+
+
+def nats_url() -> str:
+    return os.environ.get("PERSIA_NATS_URL", DEFAULT_NATS_URL)
+
+
+def job_name() -> str:
+    return os.environ.get("PERSIA_JOB_NAME", "persia")
+
+
+def subject(service: str, method: str, replica: int | None = None, job: str | None = None) -> str:
+    """``persia.<job>.<service>.<method>[.<replica>]`` (design §2)."""
+    base = f"persia.{job or job_name()}.{service}.{method}"
+    return base if replica is None else f"{base}.{replica}"
+
+
+class NatsBus:
+    """One NATS connection and its event loop thread, usable from any thread."""
+
+    def __init__(self, url: str | None = None, name: str = "persia", executor_workers: int = 8):
+        self.url = url or nats_url()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"nats-{name}", daemon=True)
+        self._thread.start()
+        self._executor = ThreadPoolExecutor(max_workers=executor_workers, thread_name_prefix=f"bus-{name}")
+        self._subs: list[Any] = []
+        self.nc = self.run(self._connect(name))
+
+    async def _connect(self, name: str):
+        servers = [u if "://" in u else f"nats://{u}" for u in self.url.split(",")]
+        return await nats.connect(
+            servers,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            allow_reconnect=True,
+        )
+
+    # -- plumbing ---------------------------------------------------------------------------------
+    def run(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
+        """Run a coroutine on the bus loop from a foreign thread and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def max_payload(self) -> int:
+        return int(self.nc.max_payload)
+
+    # -- client side ------------------------------------------------------------------------------
+    async def arequest(self, subj: str, obj: Any, timeout: float = 10.0) -> Any:
+        payload = encode(obj)
+        if len(payload) > self.nc.max_payload:
+            raise RemoteError(
+                subj,
+                f"payload of {len(payload)} bytes exceeds the NATS server's max_payload "
+                f"{self.nc.max_payload}; raise max_payload (<= 64 MiB) or send smaller batches",
+                kind="payload",
+            )
+        msg = await self.nc.request(subj, payload, timeout=timeout)
+        reply = decode(msg.data)
+        if "ok" in reply:
+            return reply["ok"]
+        if reply.get("busy"):
+            raise BusyError(subj)
+        raise RemoteError(subj, reply.get("error", "unknown error"), reply.get("kind", "error"))
+
+    def request(self, subj: str, obj: Any = None, timeout: float = 10.0) -> Any:
+        """One request; raises BusyError, RemoteError, or nats' TimeoutError/NoRespondersError."""
+        return self.run(self.arequest(subj, obj, timeout), timeout + 5.0)
+
+    def request_retry(
+        self,
+        subj: str,
+        obj: Any = None,
+        *,
+        deadline_s: float = 600.0,
+        timeout: float = 10.0,
+        retry_busy: bool = True,
+        first_backoff: float = 0.002,
+        max_backoff: float = 0.5,
+        what: str | None = None,
+    ) -> Any:
+        """Request with bounded exponential backoff on busy / no responder / timeout.
+
+        ``RemoteError`` (a real failure answered by the peer) is never retried.
+        """
+        end = time.monotonic() + deadline_s
+        backoff = first_backoff
+        last: Exception | None = None
+        while True:
+            try:
+                return self.request(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
+            except BusyError as exc:
+                if not retry_busy:
+                    raise
+                last = exc
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+                last = exc
+            if time.monotonic() + backoff > end:
+                kind = "busy" if isinstance(last, BusyError) else type(last).__name__
+                raise BusyError(
+                    f"{what or subj}: no successful reply within {deadline_s:.0f}s (last: {kind})"
+                ) from last
+            time.sleep(backoff)
+            backoff = min(max_backoff, backoff * 2)
+
+    def publish(self, subj: str, obj: Any) -> None:
+        self.run(self.nc.publish(subj, encode(obj)))
+
+    # -- server side ------------------------------------------------------------------------------
+    def serve(
+        self,
+        subj: str,
+        handler: Callable[[Any], Any],
+        *,
+        queue: str = "",
+        blocking: bool = True,
+    ) -> None:
+        """Answer requests on ``subj`` with ``handler(obj)``.
+
+        ``blocking`` handlers run on the bus's thread pool so they may wait (e.g. for buffer
+        space) without stalling other subscriptions; messages of one subscription are still
+        handled in order, which keeps per-sender ordering.
+        """
+
+        async def cb(msg):
+            try:
+                obj = decode(msg.data)
+                if blocking:
+                    result = await self._loop.run_in_executor(self._executor, handler, obj)
+                else:
+                    result = handler(obj)
+                reply = {"busy": True} if result is BUSY else {"ok": result}
+            except Exception as exc:  # noqa: BLE001 - every failure is answered, not swallowed
+                if not isinstance(exc, (ValueError, KeyError, TypeError, LookupError)):
+                    log.exception("handler for %s failed", subj)
+                reply = {"error": str(exc), "kind": type(exc).__name__}
+            if msg.reply:
+                await msg.respond(encode(reply))
+
+        self._subs.append(self.run(self.nc.subscribe(subj, queue=queue, cb=cb)))
+
+    def subscribe_events(self, subj: str, handler: Callable[[Any], None]) -> None:
+        """Fire-and-forget messages (progress, notifications); handler runs on the loop thread."""
+
+        async def cb(msg):
+            try:
+                handler(decode(msg.data))
+            except Exception:  # noqa: BLE001
+                log.exception("event handler for %s failed", subj)
+
+        self._subs.append(self.run(self.nc.subscribe(subj, cb=cb)))
+
+    def flush(self, timeout: float = 5.0) -> None:
+        self.run(self.nc.flush(timeout=timeout), timeout + 1)
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self.run(self.nc.drain(), 10)
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_shared: NatsBus | None = None
+_shared_lock = threading.Lock()
+
+
+def shared_bus() -> NatsBus:
+    """The process-wide bus (contexts nest: eval_ctx inside TrainCtx shares one connection)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = NatsBus(name=f"{job_name()}-{os.getpid()}")
+        return _shared
+
+
+def close_shared_bus() -> None:
+    global _shared
+    with _shared_lock:
+        if _shared is not None:
+            _shared.close()
+            _shared = None

@@ -1,0 +1,175 @@
+"""The embedding parameter server process: gRPC lookups/updates over an :class:`EmbeddingStore`,
+NATS for discovery and control (configure, optimizer, dump, load, stats)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from persia import rpc
+from persia.bus import NatsBus, subject
+from persia.embedding_ps.optimizers import optimizer_from_wire
+from persia.embedding_ps.store import EmbeddingStore, HyperParameters
+from persia.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+SERVICE = "persia.EmbeddingParameterServer"
+
+
+class NotConfiguredError(RuntimeError):
+    pass
+
+
+class EmbeddingParameterServer:
+    def __init__(
+        self,
+        global_config,
+        replica_index: int,
+        replica_size: int,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        bus: NatsBus | None = None,
+    ):
+        pc = global_config.embedding_parameter_server_config
+        self.global_config = global_config
+        self.replica_index = replica_index
+        self.replica_size = replica_size
+        self.store = EmbeddingStore(pc.capacity, pc.num_hashmap_internal_shards, seed=replica_index)
+        self.num_workers = global_config.common_config.checkpointing_config.num_workers
+        self.metrics = Metrics("embedding_parameter_server", replica_index)
+        self._configured = False
+        self._optimizer = None
+        self._status = {"state": "idle", "error": None}
+        self._status_lock = threading.Lock()
+        self.incremental = None
+        if pc.enable_incremental_update:
+            from persia.embedding_ps.incremental import IncrementalDumper
+
+            self.incremental = IncrementalDumper(
+                self.store, pc.incremental_dir, replica_index, pc.incremental_buffer_size, self.num_workers
+            )
+        self._server, self.port = rpc.serve(
+            SERVICE,
+            {
+                "Lookup": self.lookup,
+                "Update": self.update,
+                "Stats": lambda _r: self.stats(),
+            },
+            port,
+            host=host,
+            max_workers=8,
+        )
+        self.address = f"{advertise_host or host}:{self.port}"
+        ic = global_config.common_config.infer_config
+        if global_config.common_config.job_type == "Infer" and ic.embedding_checkpoint:
+            self.load({"dir": ic.embedding_checkpoint})
+            self._configured = True
+        log.info("embedding PS %d/%d on %s (capacity %d rows)", replica_index, replica_size, self.address, pc.capacity)
+        self.bus = bus
+        if bus is not None:
+            self._register_nats(bus)
+
+    def _register_nats(self, bus: NatsBus) -> None:
+        me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
+        i = self.replica_index
+        bus.serve(subject("ps", "address", i), lambda _o: me, blocking=False)
+        bus.serve(subject("ps", "info"), lambda _o: me, queue="ps", blocking=False)
+        bus.serve(subject("ps", "configure", i), self.configure)
+        bus.serve(subject("ps", "register_optimizer", i), self.register_optimizer)
+        bus.serve(subject("ps", "dump", i), self.dump)
+        bus.serve(subject("ps", "load", i), self.load)
+        bus.serve(subject("ps", "status", i), lambda _o: self.status(), blocking=False)
+        bus.serve(subject("ps", "stats", i), lambda _o: self.stats())
+        bus.serve(subject("ps", "clear", i), self.clear)
+        bus.flush()
+
+    # -- control ----------------------------------------------------------------------------------
+    def configure(self, req: dict) -> dict:
+        self.store.configure(HyperParameters(**req))
+        self._configured = True
+        return {"configured": True}
+
+    def register_optimizer(self, req: dict) -> dict:
+        cfg = optimizer_from_wire(req)
+        if self._optimizer is not None and self._optimizer == cfg:
+            return {"registered": False}  # idempotent: every NN rank registers the same optimizer
+        self.store.register_optimizer(cfg)
+        self._optimizer = cfg
+        return {"registered": True}
+
+    def _run_status(self, state: str, fn) -> dict:
+        with self._status_lock:
+            if self._status["state"] not in ("idle", "failed"):
+                raise RuntimeError(f"PS {self.replica_index} is busy {self._status['state']}")
+            self._status = {"state": state, "error": None}
+        try:
+            fn()
+        except Exception as exc:
+            with self._status_lock:
+                self._status = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            raise
+        with self._status_lock:
+            self._status = {"state": "idle", "error": None}
+        return {"done": True, "rows": len(self.store)}
+
+    def dump(self, req: dict) -> dict:
+        directory = Path(req["dir"])
+        return self._run_status("dumping", lambda: self.store.dump(directory, self.replica_index, self.num_workers))
+
+    def load(self, req: dict) -> dict:
+        directory = Path(req["dir"])
+        return self._run_status(
+            "loading",
+            lambda: self.store.load(directory, self.replica_index, self.replica_size, self.num_workers),
+        )
+
+    def clear(self, _req: Any) -> dict:
+        self.store.clear()
+        return {"rows": 0}
+
+    def status(self) -> dict:
+        with self._status_lock:
+            return dict(self._status)
+
+    def stats(self) -> dict:
+        out = dict(self.store.stats())
+        out["replica_index"] = self.replica_index
+        return out
+
+    # -- data path --------------------------------------------------------------------------------
+    def lookup(self, req: dict) -> dict:
+        train = bool(req["train"])
+        if train and not self._configured:
+            raise NotConfiguredError(
+                f"PS replica {self.replica_index} got a training lookup before its hyperparameters: "
+                "TrainCtx configures them when it is entered"
+            )
+        rows = [self.store.lookup(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train) for t in req["tables"]]
+        return {"rows": rows}
+
+    def update(self, req: dict) -> dict:
+        if self._optimizer is None:
+            raise NotConfiguredError(
+                f"PS replica {self.replica_index} got gradients before an optimizer was registered"
+            )
+        missing = 0
+        for t in req["tables"]:
+            signs = np.asarray(t["signs"], dtype=np.uint64)
+            missing += self.store.update(signs, np.asarray(t["grads"], dtype=np.float32))
+            if self.incremental is not None:
+                self.incremental.record(signs)
+        return {"missing": missing}
+
+    def stop(self) -> None:
+        if self.incremental is not None:
+            self.incremental.close()
+        self._server.stop(grace=1.0)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()

@@ -1,0 +1,1 @@
+"""Embedding worker: buffers ID batches, looks rows up on the PS shards, pools them, reduces gradients."""

@@ -1,0 +1,225 @@
+"""The embedding worker process: NATS for data loaders and discovery, gRPC for NN workers, gRPC
+client of every PS replica."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from persia.bus import BUSY, NatsBus, subject
+from persia.embedding_worker import pipeline
+from persia.embedding_worker.buffer import ExpiringBuffer
+from persia.errors import DiscoveryTimeout
+from persia.metrics import Metrics
+from persia import rpc
+
+log = logging.getLogger(__name__)
+
+SERVICE = "persia.EmbeddingWorker"
+PS_SERVICE = "persia.EmbeddingParameterServer"
+
+
+def slot_specs(embedding_config) -> dict[str, pipeline.SlotSpec]:
+    """Adapt the parsed ``embedding_config.yml`` (resolved slots) to what the pipeline needs."""
+    return {
+        name: pipeline.SlotSpec(
+            name=name,
+            dim=slot.dim,
+            index_prefix=slot.index_prefix,
+            embedding_summation=slot.embedding_summation,
+            sqrt_scaling=slot.sqrt_scaling,
+            sample_fixed_size=slot.sample_fixed_size,
+            hash_stack_rounds=slot.hash_stack_rounds,
+            hash_stack_embedding_size=slot.hash_stack_embedding_size,
+        )
+        for name, slot in embedding_config.slots.items()
+    }
+
+
+@dataclass
+class _Looked:
+    prepared: pipeline.PreparedBatch
+    ps_positions: list[dict[int, np.ndarray]]
+
+
+def discover(bus: NatsBus, service: str, deadline_s: float) -> list[dict]:
+    """Addresses of every replica of ``service`` ("ps" or "ew"), in replica order."""
+    info = bus.request_retry(subject(service, "info"), None, deadline_s=deadline_s, timeout=2.0,
+                             what=f"discovering {service} replicas")
+    size = int(info["replica_size"])
+    out = []
+    for i in range(size):
+        out.append(bus.request_retry(subject(service, "address", i), None, deadline_s=deadline_s,
+                                     timeout=2.0, what=f"{service} replica {i} address"))
+    for i, entry in enumerate(out):
+        if entry["replica_index"] != i or entry["replica_size"] != size:
+            raise DiscoveryTimeout(
+                f"{service} replica {i} answered as {entry['replica_index']}/{entry['replica_size']}, "
+                f"expected {i}/{size}: two replicas share an index?"
+            )
+    return out
+
+
+class EmbeddingWorker:
+    def __init__(
+        self,
+        embedding_config,
+        global_config,
+        replica_index: int,
+        replica_size: int,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        advertise_host: str | None = None,
+        bus: NatsBus | None = None,
+        ps_addresses: list[str] | None = None,
+        discovery_deadline_s: float = 600.0,
+    ):
+        self.replica_index = replica_index
+        self.replica_size = replica_size
+        self.slots = slot_specs(embedding_config)
+        self.prefix_bit = embedding_config.feature_index_prefix_bit
+        wc = global_config.embedding_worker_config
+        self.forward_buffer = ExpiringBuffer("forward buffer", wc.forward_buffer_size, wc.buffered_data_expired_sec)
+        # One post-forward entry per in-flight training batch; bounded by staleness on the NN side,
+        # so a generous cap only guards against a runaway client.
+        self.post_buffer = ExpiringBuffer("post-forward buffer", 1 << 20, wc.buffered_data_expired_sec)
+        self.metrics = Metrics("embedding_worker", replica_index)
+        self.bus = bus
+        self._server, self.port = rpc.serve(
+            SERVICE,
+            {
+                "Lookup": self.lookup,
+                "LookupDirect": self.lookup_direct,
+                "Update": self.update,
+                "Release": self.release,
+                "Stats": lambda _req: self.stats(),
+            },
+            port,
+            host="0.0.0.0" if host == "0.0.0.0" else host,
+            max_workers=8,
+        )
+        self.address = f"{advertise_host or host}:{self.port}"
+        if ps_addresses is None:
+            if bus is None:
+                raise ValueError("embedding worker needs either a NATS bus or a static PS address list")
+            ps_addresses = [e["address"] for e in discover(bus, "ps", discovery_deadline_s)]
+        self.ps = [rpc.Client(a, PS_SERVICE) for a in ps_addresses]
+        log.info("embedding worker %d/%d on %s; %d PS replicas", replica_index, replica_size, self.address, len(self.ps))
+        if bus is not None:
+            self._register_nats(bus)
+
+    # -- NATS -------------------------------------------------------------------------------------
+    def _register_nats(self, bus: NatsBus) -> None:
+        me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
+        bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False)
+        bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False)
+        bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False)
+        bus.flush()
+
+    def on_forward(self, req: dict) -> Any:
+        """A data loader's ID features: validate now (a bad batch is rejected at the sender), buffer."""
+        batch_size = int(req["batch_size"])
+        pipeline.validate_features(req["features"], batch_size, self.slots)
+        ref = self.forward_buffer.put(int(req.get("loader", 0)), req)
+        if ref is None:
+            self.metrics.inc("forward_busy")
+            return BUSY
+        self.metrics.set("num_pending_batches", len(self.forward_buffer))
+        return {"ref": ref, "worker": self.replica_index}
+
+    # -- gRPC -------------------------------------------------------------------------------------
+    def _lookup_prepared(self, prepared: pipeline.PreparedBatch, train: bool) -> tuple[list[dict], list]:
+        positions = pipeline.split_by_shard(prepared.tables, len(self.ps))
+        futures = []
+        for s, client in enumerate(self.ps):
+            if not positions[s]:
+                futures.append(None)
+                continue
+            req = {"train": train,
+                   "tables": [{"dim": d, "signs": prepared.tables[d][p]} for d, p in positions[s].items()]}
+            futures.append(client.future("Lookup", req))
+        rows = {d: np.empty((s.size, d), dtype=np.float32) for d, s in prepared.tables.items()}
+        for s, fut in enumerate(futures):
+            if fut is None:
+                continue
+            resp = self.ps[s].result("Lookup", fut)
+            for (d, p), r in zip(positions[s].items(), resp["rows"]):
+                rows[d][p] = r
+        return pipeline.pool(prepared, rows), positions
+
+    def lookup(self, req: dict) -> dict:
+        t0 = time.perf_counter()
+        ref = int(req["ref"])
+        batch = self.forward_buffer.take(ref)
+        prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit)
+        train = bool(batch.get("requires_grad", True))
+        pooled, positions = self._lookup_prepared(prepared, train)
+        if train:
+            self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)
+            self.metrics.inc("staleness")
+        self.metrics.observe("lookup_total_time_cost_sec", time.perf_counter() - t0)
+        return {"slots": pooled}
+
+    def lookup_direct(self, req: dict) -> dict:
+        """Look up raw ID features sent by the NN worker itself (eval / inference): never creates rows."""
+        prepared = pipeline.prepare(req["features"], int(req["batch_size"]), self.slots, self.prefix_bit)
+        pooled, _ = self._lookup_prepared(prepared, train=False)
+        return {"slots": pooled}
+
+    def update(self, req: dict) -> dict:
+        t0 = time.perf_counter()
+        ref = int(req["ref"])
+        looked: _Looked = self.post_buffer.take(ref)
+        self.metrics.dec("staleness")
+        reduced = pipeline.reduce_gradients(looked.prepared, req["grads"], float(req.get("scale", 1.0)))
+        for name in reduced.skipped_non_finite:
+            self.metrics.inc("nan_grad_skipped", feat=name)
+        futures = []
+        for s, client in enumerate(self.ps):
+            tables = []
+            for d, p in looked.positions[s].items():
+                mask = reduced.touched[d][p]
+                if mask.any():
+                    sel = p[mask]
+                    tables.append({"dim": d, "signs": looked.prepared.tables[d][sel], "grads": reduced.grads[d][sel]})
+            futures.append(client.future("Update", {"tables": tables}) if tables else None)
+        missing = 0
+        for s, fut in enumerate(futures):
+            if fut is not None:
+                missing += int(self.ps[s].result("Update", fut)["missing"])
+        self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
+        return {"missing": missing, "skipped": reduced.skipped_non_finite}
+
+    def release(self, req: dict) -> dict:
+        """Forget batches a trainer will not train on (e.g. uneven tail across DDP ranks)."""
+        released = 0
+        for ref in req.get("refs", []):
+            for buf in (self.forward_buffer, self.post_buffer):
+                try:
+                    buf.take(int(ref))
+                    released += 1
+                    break
+                except KeyError:
+                    continue
+        return {"released": released}
+
+    def stats(self) -> dict:
+        return {
+            "pending": len(self.forward_buffer),
+            "in_flight": len(self.post_buffer),
+            "expired_forward": self.forward_buffer.expired,
+            "expired_post_forward": self.post_buffer.expired,
+        }
+
+    def stop(self) -> None:
+        self._server.stop(grace=1.0)
+        for c in self.ps:
+            c.close()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()

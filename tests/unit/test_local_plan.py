@@ -1,0 +1,43 @@
+import argparse
+
+import pytest
+
+from persia.local import plan, thread_budget
+
+
+def args(tmp_path, **kw):
+    for name in ("train.py", "dl.py", "emb.yml", "glob.yml"):
+        (tmp_path / name).write_text("")
+    base = dict(nn_worker=str(tmp_path / "train.py"), data_loader=str(tmp_path / "dl.py"),
+                embedding_config=str(tmp_path / "emb.yml"), global_config=str(tmp_path / "glob.yml"),
+                num_ps=2, num_embedding_workers=3, nproc_per_node=1, num_data_loaders=2, job_name="j",
+                cores=2, nn_threads=None, env=["EXTRA=1"])
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_plan_starts_every_role_with_its_replica_env(tmp_path):
+    roles = plan(args(tmp_path), python="py")
+    names = [r.name for r in roles]
+    assert names == ["ps-0", "ps-1", "ew-0", "ew-1", "ew-2", "nn", "dl-0", "dl-1"]
+    ps1 = roles[1]
+    assert ps1.argv[:4] == ["py", "-m", "persia.launcher", "embedding-parameter-server"]
+    assert ps1.argv[ps1.argv.index("--replica-index") + 1] == "1"
+    assert ps1.env["REPLICA_SIZE"] == "2" and ps1.env["PERSIA_JOB_NAME"] == "j"
+    assert all(r.env["EXTRA"] == "1" for r in roles)
+    dl1 = roles[-1]
+    assert dl1.argv[dl1.argv.index("--replica-size") + 1] == "2"
+
+
+def test_thread_budget_never_oversubscribes():
+    assert thread_budget(2, 1) == 2
+    assert thread_budget(2, 2) == 1
+    assert thread_budget(2, 4) == 1
+    assert thread_budget(16, 4) == 4
+
+
+def test_plan_rejects_bad_counts_and_missing_files(tmp_path):
+    with pytest.raises(ValueError, match="--num-ps must be >= 1, got 0"):
+        plan(args(tmp_path, num_ps=0))
+    with pytest.raises(FileNotFoundError, match="--nn-worker"):
+        plan(args(tmp_path, nn_worker=str(tmp_path / "missing.py")))
