@@ -145,7 +145,7 @@ class NatsBus:
         *,
         queue: str = "",
         blocking: bool = True,
-    ) -> None:
+    ) -> Any:
         """Answer requests on ``subj`` with ``handler(obj)``.
 
         ``blocking`` handlers run on the bus's thread pool so they may wait (e.g. for buffer
@@ -168,7 +168,15 @@ class NatsBus:
             if msg.reply:
                 await msg.respond(encode(reply))
 
-        self._subs.append(self.run(self.nc.subscribe(subj, queue=queue, cb=cb)))
+        sub = self.run(self.nc.subscribe(subj, queue=queue, cb=cb))
+        self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Any) -> None:
+        """Stop answering on a subscription returned by :meth:`serve`."""
+        if sub in self._subs:
+            self._subs.remove(sub)
+            self.run(sub.unsubscribe())
 
     def subscribe_events(self, subj: str, handler: Callable[[Any], None]) -> None:
         """Fire-and-forget messages (progress, notifications); handler runs on the loop thread."""

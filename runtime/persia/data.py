@@ -85,10 +85,19 @@ class StreamingDataset(IterableDatasetBase):
         with self._lock:
             if self._registered:
                 return
-            bus.serve(subject("nn", "batch", rank), self._on_batch)
-            bus.serve(subject("nn", "eos", rank), self._on_eos)
+            self._subs = [
+                bus.serve(subject("nn", "batch", rank), self._on_batch),
+                bus.serve(subject("nn", "eos", rank), self._on_eos),
+            ]
             bus.flush()
             self._registered = True
+
+    def _unregister(self, bus) -> None:
+        """A finished stream stops answering, so a later StreamingDataset in this process gets
+        the next stream's batches (NATS would otherwise fan them out to both)."""
+        for sub in getattr(self, "_subs", []):
+            bus.unsubscribe(sub)
+        self._subs = []
 
     def _on_batch(self, msg: dict) -> Any:
         try:
@@ -112,6 +121,7 @@ class StreamingDataset(IterableDatasetBase):
             if self._loader_size is not None and len(self._eos) == self._loader_size:
                 expected = sum(int(e["sent"]) for e in self._eos.values())
                 if self.received_total >= expected:
+                    self._unregister(bus)
                     return
             try:
                 kind, msg = self._queue.get(timeout=timeout_s)

@@ -114,7 +114,7 @@ def test_hash_stack_expands_ids():
 def test_unknown_slot_and_bad_csr_are_rejected_with_names():
     slots = {"a": spec("a", 4, 0)}
     v, o = csr([[1]])
-    with pytest.raises(UnknownSlotError, match="'nope' is not in embedding_config slots_config"):
+    with pytest.raises(UnknownSlotError, match="unknown slot 'nope': not in embedding_config.yml slots_config"):
         pipeline.validate_features([{"name": "nope", "values": v, "offsets": o}], 1, slots)
     with pytest.raises(ValueError, match="expected dtype uint64, got int64"):
         pipeline.validate_features([{"name": "a", "values": v.astype(np.int64), "offsets": o}], 1, slots)

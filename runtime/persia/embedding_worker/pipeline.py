@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from persia.config import UnknownSlotError
 from persia.hashing import add_index_prefix, hash_stack, shard_of
 
 
@@ -50,11 +51,6 @@ class PreparedBatch:
         return int(sum(t.size for t in self.tables.values()))
 
 
-class UnknownSlotError(KeyError):
-    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
-        return str(self.args[0])
-
-
 def _check_csr(name: str, values: np.ndarray, offsets: np.ndarray, batch_size: int) -> None:
     if values.dtype != np.uint64:
         raise ValueError(f"ID feature {name!r}: expected dtype uint64, got {values.dtype}")
@@ -79,10 +75,7 @@ def validate_features(features: list[dict], batch_size: int, slots: dict[str, "S
             raise ValueError(f"ID feature {name!r} appears twice in one batch")
         seen.add(name)
         if name not in slots:
-            known = ", ".join(sorted(slots)[:20])
-            raise UnknownSlotError(
-                f"ID feature {name!r} is not in embedding_config slots_config (known slots: {known})"
-            )
+            raise UnknownSlotError(name, list(slots))
         _check_csr(name, np.asarray(feat["values"]), np.asarray(feat["offsets"]), batch_size)
 
 
@@ -98,10 +91,7 @@ def prepare(
         name = feat["name"]
         spec = slots.get(name)
         if spec is None:
-            known = ", ".join(sorted(slots)[:20])
-            raise UnknownSlotError(
-                f"ID feature {name!r} is not in embedding_config slots_config (known slots: {known})"
-            )
+            raise UnknownSlotError(name, list(slots))
         values = np.asarray(feat["values"])
         offsets = np.asarray(feat["offsets"], dtype=np.int64)
         _check_csr(name, values, offsets, batch_size)

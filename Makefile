@@ -1,0 +1,51 @@
+# Everything runs from a project-local virtualenv that `make venv` creates (Python 3.11, pip, gcc).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast bench bench-ps bench-smoke crds chart lint images e2e clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[runtime,operator,dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## The main job: local training of the adult-income example, every role as its own process.
+demo: $(STAMP)
+	$(VENV)/bin/persia-launcher local \
+	  --nn-worker examples/adult-income/train.py \
+	  --data-loader examples/adult-income/data_loader.py \
+	  --embedding-config examples/adult-income/config/embedding_config.yml \
+	  --global-config examples/adult-income/config/global_config.yml \
+	  --num-ps 1 --num-embedding-workers 1 --nproc-per-node 1 --num-data-loaders 1 \
+	  --job-name adult-income
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+crds: $(STAMP)
+	$(PY) -m persia_operator.crdgen > crds/persiajobs.persia.com.yaml
+	cp crds/persiajobs.persia.com.yaml charts/persia-operator/crds/persiajobs.persia.com.yaml
+
+bench-ps: $(STAMP)
+	$(PY) bench/ps_bench.py
+
+bench-smoke: $(STAMP)
+	$(PY) -m bench.e2e_bench --smoke
+
+bench: $(STAMP) bench-ps
+	$(PY) -m bench.e2e_bench
+
+lint: $(STAMP)
+	$(PY) -c "import helm_python; helm_python.lint('charts/persia-operator', strict=True)"
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,175 @@
+"""The whole training data path in one process: real nats-server, real gRPC PS and embedding
+workers on loopback, a real DataCtx (in a thread) and a real TrainCtx with torch."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from persia.ctx import DataCtx, TrainCtx, eval_ctx
+from persia.data import DataLoader, IterableDataset, StreamingDataset
+from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
+from persia.embedding.optim import SGD, Adagrad
+from persia.errors import DataLoaderFailed, RemoteError
+
+from .cluster import cluster
+
+pytestmark = pytest.mark.integration
+
+BS = 16
+
+
+def make_batch(seed: int, requires_grad: bool = True, unknown_slot: bool = False) -> PersiaBatch:
+    rng = np.random.default_rng(seed)
+    users = rng.integers(0, 50, size=BS, dtype=np.uint64)
+    items = [rng.integers(1000, 1100, size=rng.integers(0, 4), dtype=np.uint64) for _ in range(BS)]
+    tags = [rng.integers(0, 10, size=rng.integers(0, 5), dtype=np.uint64) for _ in range(BS)]
+    feats = [IDTypeFeatureWithSingleID("user", users), IDTypeFeature("item", items), IDTypeFeature("tags", tags)]
+    if unknown_slot:
+        feats.append(IDTypeFeatureWithSingleID("not_a_slot", users))
+    return PersiaBatch(
+        feats,
+        non_id_type_features=[NonIDTypeFeature(rng.standard_normal((BS, 2)).astype(np.float32), name="dense")],
+        labels=[Label((users % 2).astype(np.float32).reshape(-1, 1), name="y")],
+        requires_grad=requires_grad,
+    )
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2 + 4 + 4 + 3 * 4, 1)
+
+    def forward(self, non_id, emb):
+        user, item, tags = emb
+        assert user.dtype == torch.float32 and user.shape == (BS, 4)
+        assert tags.shape == (BS, 3, 4)  # raw slot: (bs, sample_fixed_size, dim + mask)
+        return torch.sigmoid(self.lin(torch.cat([non_id[0], user, item, tags.flatten(1)], dim=1)))
+
+
+def send_in_thread(batches, errors):
+    def run():
+        try:
+            with DataCtx() as ctx:
+                for b in batches:
+                    ctx.send_data(b)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+class Eval(IterableDataset):
+    def __init__(self, batches):
+        super().__init__()
+        self.batches = batches
+
+    def __iter__(self):
+        yield from self.batches
+
+
+def eval_embeddings(model, batches):
+    out = []
+    with eval_ctx(model=model) as ctx:
+        for tb in DataLoader(Eval(batches)):
+            _, emb, _ = ctx.prepare_features(tb)
+            out.append([e.detach().numpy().copy() for e in emb])
+    return out
+
+
+def train(model, n_batches, staleness, optimizer=None, seed0=0):
+    errors: list = []
+    sender = send_in_thread([make_batch(seed0 + i) for i in range(n_batches)], errors)
+    trained = 0
+    with TrainCtx(model=model, embedding_optimizer=optimizer or Adagrad(lr=0.1),
+                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        for batch in DataLoader(StreamingDataset(4), embedding_staleness=staleness, reproducible=True):
+            out, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+            trained += 1
+        ctx.wait_for_pending_updates()
+        stats = ctx.get_embedding_size()
+    sender.join(30)
+    assert not errors, errors
+    return trained, stats
+
+
+def test_every_sent_batch_is_trained_and_embeddings_move(persia_env):
+    with cluster(num_ps=2, num_workers=2):
+        model = Model()
+        probe = [make_batch(999, requires_grad=False)]
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.5),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+            before = eval_embeddings(model, probe)
+        trained, rows = train(model, 12, staleness=2, optimizer=SGD(lr=0.5))
+        assert trained == 12
+        assert sum(rows) > 0 and len(rows) == 2
+        after = eval_embeddings(model, probe)
+        # eval lookups never create rows: before training they were all zeros
+        assert all(np.all(e == 0) for e in before[0])
+        # users 0..49 were all trained on, so their rows exist and moved away from init
+        assert np.abs(after[0][0]).sum() > 0
+
+
+def test_unknown_slot_is_rejected_with_its_name(persia_env):
+    with cluster():
+        model = Model()
+        errors: list = []
+        sender = send_in_thread([make_batch(1, unknown_slot=True)], errors)
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            # the loader's with-block ends with an error: the trainer is told, not left waiting
+            with pytest.raises(DataLoaderFailed, match="data loader 0 failed: .*not_a_slot"):
+                for batch in DataLoader(StreamingDataset(4)):
+                    ctx.forward(batch)
+        sender.join(30)
+        assert len(errors) == 1
+        assert isinstance(errors[0], RemoteError)
+        assert "unknown slot 'not_a_slot': not in embedding_config.yml slots_config" in str(errors[0])
+
+
+@pytest.mark.parametrize("num_ps_after", [1, 3])
+def test_checkpoint_round_trip_gives_identical_lookups(persia_env, tmp_path, num_ps_after):
+    probe = [make_batch(500 + i, requires_grad=False) for i in range(3)]
+    model = Model()
+    with cluster(num_ps=2):
+        train(model, 8, staleness=1)
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            expected = eval_embeddings(model, probe)
+            ctx.dump_checkpoint(str(tmp_path / "ckpt"))
+            ctx.clear_embeddings()
+            assert sum(ctx.get_embedding_size()) == 0
+            ctx.load_checkpoint(str(tmp_path / "ckpt"))
+            same = eval_embeddings(model, probe)
+    for a, b in zip(expected, same):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    assert (tmp_path / "ckpt" / "embedding_dump_done").exists()
+    assert (tmp_path / "ckpt" / "dense.pt").exists() and (tmp_path / "ckpt" / "opt.pt").exists()
+    with cluster(num_ps=num_ps_after):
+        model2 = Model()
+        with TrainCtx(model=model2, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model2.parameters(), lr=0.1)) as ctx:
+            ctx.load_checkpoint(str(tmp_path / "ckpt"))
+            resharded = eval_embeddings(model2, probe)
+        for p, q in zip(model.parameters(), model2.parameters()):
+            torch.testing.assert_close(p, q)
+    for a, b in zip(expected, resharded):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_loading_an_unfinished_checkpoint_is_refused(persia_env, tmp_path):
+    (tmp_path / "partial").mkdir()
+    with cluster():
+        model = Model()
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            with pytest.raises(FileNotFoundError, match="no embedding_dump_done marker"):
+                ctx.load_checkpoint(str(tmp_path / "partial"))
