@@ -46,6 +46,13 @@ def cnt_ctx() -> "BaseCtx | None":
     return _ctx_stack[-1] if _ctx_stack else None
 
 
+def _role_name() -> str:
+    rank = env.get_rank()
+    if rank is not None:
+        return f"nn-worker-{rank}"
+    return f"data-loader-{env.get_replica_index()}"
+
+
 class PreprocessMode(Enum):
     TRAIN = 1
     EVAL = 2
@@ -67,6 +74,10 @@ def _named_arrays(items) -> list[dict]:
 
 class BaseCtx:
     def __init__(self, threadpool_worker_size: int = 10, device_id: int | None = None):
+        if not logging.getLogger().handlers:  # a user script that set up no logging: PERSIA's default
+            from persia.logger import setup_logging
+
+            setup_logging(_role_name())
         self.threadpool_worker_size = threadpool_worker_size
         if device_id is not None:
             if not torch.cuda.is_available():
@@ -349,7 +360,7 @@ class EmbeddingCtx(BaseCtx):
                 emb.append(leaf)
             else:
                 leaf = self._tensor(slot["distinct"]).requires_grad_(requires_grad)
-                index = torch.from_numpy(np.asarray(slot["index"], dtype=np.int64)).to(self.device)
+                index = torch.from_numpy(np.array(slot["index"], dtype=np.int64)).to(self.device)
                 gathered = leaf[index]
                 mask = (index != 0).to(gathered.dtype).unsqueeze(-1)
                 leaves.append(leaf)

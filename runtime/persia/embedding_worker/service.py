@@ -44,7 +44,7 @@ def slot_specs(embedding_config) -> dict[str, pipeline.SlotSpec]:
 @dataclass
 class _Looked:
     prepared: pipeline.PreparedBatch
-    ps_positions: list[dict[int, np.ndarray]]
+    positions: list[dict[int, np.ndarray]]
 
 
 def discover(bus: NatsBus, service: str, deadline_s: float) -> list[dict]:
