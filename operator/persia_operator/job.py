@@ -1,0 +1,111 @@
+"""A PersiaJob object as the operator's pure functions see it: metadata, spec, status.
+
+The status model is also the source of the CRD's status schema, so that the API server
+keeps (does not prune) every field the operator writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+from . import constants as C
+from .spec import JobMeta, PersiaJobSpec
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(_Status):
+    """metav1.Condition: lastTransitionTime changes only when `status` flips."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(min_length=1)
+    message: str = ""
+    last_transition_time: str
+    observed_generation: int | None = None
+
+
+class ReplicaStatus(_Status):
+    desired: int = 0
+    active: int = 0
+    ready: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    ready_ratio: str = Field("0/0", description='"ready/desired", e.g. "3/4".')
+
+
+class JobStatus(_Status):
+    observed_generation: int | None = None
+    phase: str | None = Field(
+        None,
+        description="Derived for display: Pending|Starting|Running|Restarting|Suspended|Succeeded|Failed.",
+    )
+    reason: str | None = Field(None, description="Reason of the condition that set the phase.")
+    message: str | None = None
+    start_time: str | None = Field(None, description="Children first created (reset on resume).")
+    completion_time: str | None = None
+    attempt_start_time: str | None = Field(None, description="Start of the current attempt.")
+    attempt_ready_time: str | None = Field(
+        None, description="When the current attempt first became Ready (ends the startup deadline)."
+    )
+    restart_count: int = Field(0, description="Whole-job restarts after failures (vs backoffLimit).")
+    attempt: int = Field(
+        0, description="Current attempt; bumped by every restart, resume or replica change."
+    )
+    nats_url: str | None = Field(None, alias="natsURL")
+    replica_statuses: dict[str, ReplicaStatus] = Field(default_factory=dict)
+    conditions: list[Condition] = Field(default_factory=list)
+    accepted_spec: dict[str, Any] | None = Field(
+        None, description="The spec the job runs (spec changes that are rejected stay out)."
+    )
+
+    def condition(self, type_: str) -> Condition | None:
+        for cond in self.conditions:
+            if cond.type == type_:
+                return cond
+        return None
+
+    def is_true(self, type_: str) -> bool:
+        cond = self.condition(type_)
+        return cond is not None and cond.status == "True"
+
+    def terminal(self) -> str | None:
+        """The terminal condition type that is True, if any."""
+        for type_ in C.TERMINAL_CONDITIONS:
+            if self.is_true(type_):
+                return type_
+        return None
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json")
+
+
+def parse_status(raw: Any) -> JobStatus:
+    """Previous status, tolerating garbage (an unreadable status starts afresh)."""
+    if not isinstance(raw, dict):
+        return JobStatus()
+    try:
+        return JobStatus.model_validate(raw)
+    except ValidationError:
+        return JobStatus()
+
+
+class PersiaJob(BaseModel):
+    """A validated PersiaJob; `spec` is the spec to run (see acceptance.py)."""
+
+    metadata: JobMeta
+    spec: PersiaJobSpec
+    status: JobStatus = Field(default_factory=JobStatus)
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace

@@ -1,0 +1,145 @@
+"""A small async Kubernetes client for the few calls the operator makes itself.
+
+It rides on the credentials kopf logged in with (a `kopf.ConnectionInfo`), so one login
+serves kopf's watches and the operator's writes, in-cluster or from a kubeconfig.
+Writes are create (POST) and JSON merge-patch, which every API server understands.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import kopf
+
+from . import constants as C
+
+# kind -> (group, version, plural) of everything the operator reads or writes.
+RESOURCES: dict[str, tuple[str, str, str]] = {
+    "ConfigMap": ("", "v1", "configmaps"),
+    "Service": ("", "v1", "services"),
+    "Pod": ("", "v1", "pods"),
+    "StatefulSet": ("apps", "v1", "statefulsets"),
+    "Deployment": ("apps", "v1", "deployments"),
+    "Job": ("batch", "v1", "jobs"),
+    C.KIND: (C.GROUP, C.VERSION, C.PLURAL),
+}
+
+
+class ApiError(Exception):
+    """A failed API call; `code` is the HTTP status (None for a network failure)."""
+
+    def __init__(self, code: int | None, reason: str, message: str):
+        self.code = code
+        self.reason = reason
+        self.message = message
+        super().__init__(f"{code} {reason}: {message}")
+
+
+def resource_path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    group, version, plural = RESOURCES[kind]
+    base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
+    path = f"{base}/namespaces/{quote(namespace)}/{plural}"
+    if name is not None:
+        path += f"/{quote(name)}"
+    if subresource is not None:
+        path += f"/{subresource}"
+    return path
+
+
+class KubeApi:
+    """Create, get, merge-patch and delete namespaced objects."""
+
+    def __init__(self, login: Callable[[], kopf.ConnectionInfo | None] | None = None, request_timeout: float = 30):
+        self._login = login
+        self._info: kopf.ConnectionInfo | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._renew = False
+        self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+
+    def set_connection(self, info: kopf.ConnectionInfo) -> None:
+        """Use new credentials (called from the kopf login handler)."""
+        self._info = info
+        self._renew = True
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _session_for(self) -> tuple[aiohttp.ClientSession, str]:
+        if self._info is None and self._login is not None:
+            self._info = self._login()
+        if self._info is None:
+            raise ApiError(None, "NotLoggedIn", "no Kubernetes credentials yet")
+        if self._renew and self._session is not None:
+            await self._session.close()
+            self._session = None
+        self._renew = False
+        if self._session is None or self._session.closed:
+            info = self._info
+            ssl = info.as_ssl_context() if info.server.startswith("https") else False
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=ssl),
+                headers={**info.as_http_headers(), "User-Agent": C.FIELD_MANAGER},
+                timeout=self._timeout,
+            )
+        return self._session, self._info.server.rstrip("/")
+
+    async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                       params: dict[str, str] | None = None, retry_auth: bool = True) -> dict[str, Any]:  # fmt: skip
+        session, server = await self._session_for()
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        try:
+            async with session.request(method, server + path, data=data, headers=headers, params=params) as resp:
+                text = await resp.text()
+                if resp.status == 401 and retry_auth and self._login is not None:
+                    info = self._login()  # token rotated: log in again, once
+                    if info is not None:
+                        self.set_connection(info)
+                        return await self._request(method, path, body, content_type, params, retry_auth=False)
+                if resp.status >= 400:
+                    try:
+                        status = json.loads(text)
+                        raise ApiError(resp.status, status.get("reason", ""), status.get("message", text))
+                    except (ValueError, AttributeError):
+                        raise ApiError(resp.status, resp.reason or "", text[:500]) from None
+                return json.loads(text) if text else {}
+        except aiohttp.ClientError as err:
+            raise ApiError(None, type(err).__name__, str(err)) from err
+        except TimeoutError as err:
+            raise ApiError(None, "Timeout", f"{method} {path} timed out") from err
+
+    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return await self._request("GET", resource_path(kind, namespace, name))
+        except ApiError as err:
+            if err.code == 404:
+                return None
+            raise
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        meta = manifest["metadata"]
+        params = {"fieldManager": C.FIELD_MANAGER}
+        return await self._request("POST", resource_path(manifest["kind"], meta["namespace"]), manifest, params=params)
+
+    async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
+                          subresource: str | None = None) -> dict[str, Any]:  # fmt: skip
+        params = {"fieldManager": C.FIELD_MANAGER}
+        return await self._request("PATCH", resource_path(kind, namespace, name, subresource), patch,
+                                   content_type="application/merge-patch+json", params=params)  # fmt: skip
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        """Delete with background propagation; False when it was already gone."""
+        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        try:
+            await self._request("DELETE", resource_path(kind, namespace, name), body)
+            return True
+        except ApiError as err:
+            if err.code == 404:
+                return False
+            raise

@@ -1,0 +1,155 @@
+"""The per-job NATS: nats.conf text and its ConfigMap, StatefulSet and Services.
+
+PERSIA relied on the nats-operator (end of life); a small StatefulSet in the pattern of
+the official NATS chart replaces it. `max_payload` is raised because PERSIA's batches
+are far larger than NATS's 1 MiB default.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import constants as C
+from . import naming
+from .overlay import merge
+from .spec import NatsSpec
+
+CONFIG_DIR = "/etc/nats-config"
+CONFIG_FILE = "nats.conf"
+PID_DIR = "/var/run/nats"
+
+
+def nats_conf(job: str, namespace: str, nats: NatsSpec) -> str:
+    """nats-server configuration; `$SERVER_NAME` is the pod name (set through env)."""
+    lines = [
+        f"# rendered by persia-operator for PersiaJob {namespace}/{job}",
+        "server_name: $SERVER_NAME",
+        f"port: {C.NATS_CLIENT_PORT}",
+        f"http_port: {C.NATS_MONITOR_PORT}",
+        f"max_payload: {nats.max_payload}",
+        f'pid_file: "{PID_DIR}/nats.pid"',
+        "lame_duck_grace_period: 10s",
+        "lame_duck_duration: 30s",
+    ]
+    if nats.replicas > 1:
+        sts, headless = naming.nats_name(job), naming.nats_headless_name(job)
+        routes = [
+            f"    nats://{sts}-{i}.{headless}.{namespace}.svc:{C.NATS_CLUSTER_PORT}"
+            for i in range(nats.replicas)
+        ]
+        lines += [
+            "cluster {",
+            f"  name: {job}",
+            f"  port: {C.NATS_CLUSTER_PORT}",
+            "  no_advertise: true",
+            "  routes: [",
+            *routes,
+            "  ]",
+            "}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def render_nats(
+    job: str, namespace: str, nats: NatsSpec, owner: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """ConfigMap, headless + client Services and the StatefulSet of a managed NATS."""
+    labels = naming.common_labels(job, C.ROLE_NATS)
+    selector = naming.selector_labels(job, C.ROLE_NATS)
+    sts_name, headless = naming.nats_name(job), naming.nats_headless_name(job)
+
+    def meta(name: str) -> dict[str, Any]:
+        m: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+        if owner:
+            m["ownerReferences"] = owner
+        return m
+
+    ports = [
+        {"name": "client", "port": C.NATS_CLIENT_PORT, "targetPort": "client"},
+        {"name": "cluster", "port": C.NATS_CLUSTER_PORT, "targetPort": "cluster"},
+        {"name": "monitor", "port": C.NATS_MONITOR_PORT, "targetPort": "monitor"},
+    ]
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta(naming.nats_config_name(job)),
+        "data": {CONFIG_FILE: nats_conf(job, namespace, nats)},
+    }
+    headless_svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(headless),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": dict(selector),
+            "ports": ports,
+        },
+    }
+    client_svc = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta(sts_name),
+        "spec": {
+            "selector": dict(selector),
+            "ports": [ports[0], ports[2]],
+        },
+    }
+    container: dict[str, Any] = {
+        "name": "nats",
+        "image": nats.image,
+        "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
+        "env": [{"name": "SERVER_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "ports": [
+            {"name": "client", "containerPort": C.NATS_CLIENT_PORT},
+            {"name": "cluster", "containerPort": C.NATS_CLUSTER_PORT},
+            {"name": "monitor", "containerPort": C.NATS_MONITOR_PORT},
+        ],
+        "readinessProbe": {
+            "httpGet": {"path": "/healthz", "port": "monitor"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", "port": "monitor"},
+            "initialDelaySeconds": 10,
+            "periodSeconds": 30,
+            "failureThreshold": 3,
+        },
+        "lifecycle": {"preStop": {"exec": {"command": ["nats-server", f"-sl=ldm={PID_DIR}/nats.pid"]}}},
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "pid", "mountPath": PID_DIR},
+        ],
+    }
+    if nats.resources:
+        container["resources"] = nats.resources
+    template: dict[str, Any] = {
+        "metadata": {"labels": dict(labels)},
+        "spec": {
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 60,
+            "containers": [container],
+            "volumes": [
+                {"name": "config", "configMap": {"name": naming.nats_config_name(job)}},
+                {"name": "pid", "emptyDir": {}},
+            ],
+        },
+    }
+    if nats.template is not None:
+        template = merge(template, nats.template.model_dump(by_alias=True, exclude_none=True))
+        template["metadata"]["labels"].update(labels)
+    template["spec"]["restartPolicy"] = "Always"
+    statefulset = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": meta(sts_name),
+        "spec": {
+            "replicas": nats.replicas,
+            "serviceName": headless,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": dict(selector)},
+            "template": template,
+        },
+    }
+    return [config_map, headless_svc, client_svc, statefulset]

@@ -1,0 +1,110 @@
+"""`plan_actions`: the API calls that move the children towards the derived status.
+
+Level-based and idempotent: the same inputs give the same calls, and a call that
+already happened (409 on create, 404 on delete) is harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from . import constants as C
+from .children import Children
+from .conditions import parse_time
+from .job import JobStatus, PersiaJob
+from .render import render
+from .spec import JobMeta, SpecError, parse_spec
+
+
+@dataclass(frozen=True)
+class Create:
+    manifest: dict[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.manifest["kind"], self.manifest["metadata"]["name"]
+
+
+@dataclass(frozen=True)
+class Patch:
+    kind: str
+    name: str
+    patch: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Delete:
+    kind: str
+    name: str
+    why: str
+
+
+@dataclass(frozen=True)
+class DeleteJob:
+    """Delete the PersiaJob itself (ttlSecondsAfterFinished); owner references take the rest."""
+
+    why: str
+
+
+Action = Create | Patch | Delete | DeleteJob
+
+
+def _cleanup(policy: str, children: Children) -> list[Action]:
+    """Workloads to delete once the job is finished, per runPolicy.cleanPodPolicy."""
+    if policy == "None":
+        return []
+    actions: list[Action] = []
+    for (kind, name), w in sorted(children.workloads.items()):
+        if w.deleting:
+            continue
+        finished = kind == "Job" and (w.complete or w.job_failed)
+        if policy == "All" or not finished:
+            actions.append(Delete(kind, name, f"job finished (cleanPodPolicy {policy})"))
+    return actions
+
+
+def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: datetime) -> list[Action]:
+    if status.accepted_spec is None:
+        return []  # never valid: nothing was created
+    try:
+        spec = parse_spec(status.accepted_spec)
+    except SpecError:
+        return []  # unreadable (an older operator's); the next status pass replaces it
+    if status.terminal():
+        actions = _cleanup(spec.run_policy.clean_pod_policy, children)
+        ttl = spec.run_policy.ttl_seconds_after_finished
+        done = parse_time(status.completion_time)
+        if ttl is not None and done is not None and now >= done + timedelta(seconds=ttl):
+            actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
+        return actions
+    if status.is_true(C.COND_SUSPENDED):
+        return [
+            Delete(kind, name, "job suspended")
+            for (kind, name), w in sorted(children.workloads.items())
+            if not w.deleting
+        ]
+
+    actions: list[Action] = []
+    current = str(status.attempt)
+    for (kind, name), w in sorted(children.workloads.items()):
+        if w.role in C.TRAINING_ROLES and w.attempt != current and not w.deleting:
+            actions.append(Delete(kind, name, f"attempt {w.attempt} replaced by attempt {current}"))
+    job = PersiaJob(metadata=meta, spec=spec, status=status)
+    for manifest in render(job):
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        if kind in ("StatefulSet", "Job", "Deployment"):
+            w = children.workload(kind, name)
+            if w is None:
+                actions.append(Create(manifest))
+            elif w.deleting or (w.role in C.TRAINING_ROLES and w.attempt != current):
+                continue  # re-created once the old one is gone
+            elif kind == "Deployment" and w.replicas != manifest["spec"]["replicas"]:
+                actions.append(
+                    Patch(kind, name, {"spec": {"replicas": manifest["spec"]["replicas"],
+                                                "template": manifest["spec"]["template"]}})
+                )  # fmt: skip
+        elif (kind, name) not in children.objects:
+            actions.append(Create(manifest))
+    return actions

@@ -1,0 +1,342 @@
+"""`derive_status(job, children, now) -> status`: the whole decision of a reconcile pass.
+
+Pure: from the stored job (spec as the user wrote it, previous status) and what was
+observed of its children, compute the next status: conditions, phase, counts, and the
+bookkeeping that drives the actions (attempt, restartCount, acceptedSpec). plan.py then
+turns this status into API calls; nothing here talks to a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Sequence
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import constants as C
+from . import failures, naming
+from .acceptance import Acceptance, accept_spec
+from .children import Children
+from .conditions import derive_phase, parse_time, set_condition, timestamp
+from .job import JobStatus, PersiaJob, ReplicaStatus
+from .render import RUN_TO_COMPLETION_ROLES, render, workload_kind
+from .spec import JobMeta, PersiaJobSpec, SpecError, parse_spec
+
+
+class ObservedJob(BaseModel):
+    """The PersiaJob as stored: its spec is unvalidated user input."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    metadata: JobMeta
+    spec: Any = None
+    status: JobStatus = Field(default_factory=JobStatus)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> "ObservedJob":
+        from .job import parse_status
+
+        return cls(
+            metadata=JobMeta.model_validate(body.get("metadata") or {}),
+            spec=body.get("spec"),
+            status=parse_status(body.get("status")),
+        )
+
+
+@dataclass(frozen=True)
+class ChildError:
+    """An API error while creating or changing a child."""
+
+    kind: str
+    name: str
+    code: int | None
+    message: str
+
+    @property
+    def permanent(self) -> bool:
+        """400/422 (the manifest is rejected) will not get better by retrying."""
+        return self.code in (400, 422)
+
+
+def effective_job(meta: JobMeta, status: JobStatus) -> PersiaJob | None:
+    """The job as it runs: accepted spec, current attempt."""
+    if status.accepted_spec is None:
+        return None
+    try:
+        spec = parse_spec(status.accepted_spec)
+    except SpecError:
+        return None
+    return PersiaJob(metadata=meta, spec=spec, status=status)
+
+
+def count_replicas(spec: PersiaJobSpec, job_name: str, children: Children, attempt: int) -> dict[str, ReplicaStatus]:
+    """Per-role pod counts of the current attempt (plus NATS when managed)."""
+    counts: dict[str, ReplicaStatus] = {}
+    for role in C.TRAINING_ROLES:
+        role_spec = spec.role(role)
+        if role_spec is None:
+            continue
+        pods = [p for p in children.pods_of(role, attempt) if not p.deleting]
+        desired = role_spec.replicas
+        ready = sum(1 for p in pods if p.ready and p.phase == "Running")
+        active = sum(1 for p in pods if p.phase in ("Pending", "Running"))
+        succeeded = sum(1 for p in pods if p.phase == "Succeeded")
+        failed = sum(1 for p in pods if p.phase == "Failed")
+        workload = children.workload(workload_kind(spec, role), naming.workload_name(job_name, role))
+        if workload is not None and workload.kind == "Job" and workload.attempt == str(attempt):
+            succeeded = max(succeeded, workload.succeeded)
+            failed = max(failed, workload.failed)
+        counts[C.ROLE_FIELDS[role]] = ReplicaStatus(
+            desired=desired, active=active, ready=ready, succeeded=succeeded, failed=failed,
+            ready_ratio=f"{ready}/{desired}",
+        )  # fmt: skip
+    if spec.nats_managed():
+        pods = [p for p in children.pods if p.role == C.ROLE_NATS and not p.deleting]
+        ready = sum(1 for p in pods if p.ready and p.phase == "Running")
+        counts["nats"] = ReplicaStatus(
+            desired=spec.nats.replicas,
+            active=sum(1 for p in pods if p.phase in ("Pending", "Running")),
+            ready=ready,
+            failed=sum(1 for p in pods if p.phase == "Failed"),
+            ready_ratio=f"{ready}/{spec.nats.replicas}",
+        )
+    return counts
+
+
+def missing_children(job: PersiaJob, children: Children) -> list[str]:
+    """Desired children of the current attempt that are not observed (kind/name)."""
+    missing = []
+    for manifest in render(job):
+        kind, name = manifest["kind"], manifest["metadata"]["name"]
+        if kind in ("StatefulSet", "Job", "Deployment"):
+            workload = children.workload(kind, name)
+            wanted = manifest["metadata"]["labels"].get(C.LABEL_ATTEMPT)
+            if workload is None or workload.deleting or workload.attempt != wanted:
+                missing.append(f"{kind}/{name}")
+        elif (kind, name) not in children.objects:
+            missing.append(f"{kind}/{name}")
+    return missing
+
+
+def _waiting_note(children: Children, role: str, attempt: int) -> str:
+    reasons = sorted({r for p in children.pods_of(role, attempt) for r in p.waiting})
+    return f" ({', '.join(reasons)})" if reasons else ""
+
+
+def _seconds_since(now: datetime, then: str | None) -> float | None:
+    start = parse_time(then)
+    return None if start is None else (now - start).total_seconds()
+
+
+class _Pass:
+    """One derivation: the next status, built up step by step from the previous one."""
+
+    def __init__(self, job: ObservedJob, children: Children, now: datetime):
+        self.job = job
+        self.name = job.metadata.name
+        self.children = children
+        self.now = now
+        self.ts = timestamp(now)
+        self.st = job.status.model_copy(deep=True)
+        self.st.observed_generation = job.metadata.generation
+
+    def cond(self, type_: str, status: bool, reason: str, message: str = "") -> None:
+        self.st.conditions = set_condition(
+            self.st.conditions, type_, status, reason, message, self.ts, self.job.metadata.generation
+        )
+
+    def finish(self) -> JobStatus:
+        self.st.phase, self.st.reason, self.st.message = derive_phase(self.st)
+        return self.st
+
+    def close(self, terminal: str) -> None:
+        """The job just finished: settle the other conditions and stamp the time."""
+        final = self.st.condition(terminal)
+        assert final is not None
+        self.cond(C.COND_READY, False, final.reason, final.message)
+        self.cond(C.COND_RESTARTING, False, final.reason, "")
+        other = C.COND_SUCCEEDED if terminal == C.COND_FAILED else C.COND_FAILED
+        self.cond(other, False, final.reason, "")
+        self.st.completion_time = self.ts
+
+    def new_attempt(self, reason: str, message: str) -> None:
+        self.st.attempt += 1
+        self.st.attempt_start_time = self.ts
+        self.st.attempt_ready_time = None
+        self.cond(C.COND_RESTARTING, True, reason, message)
+
+    def accept(self, acceptance: Acceptance) -> None:
+        """Record which spec runs and whether the user's edits were applied."""
+        assert acceptance.spec is not None
+        self.st.accepted_spec = acceptance.spec.to_wire()
+        self.st.nats_url = acceptance.spec.nats_url(self.name, self.job.metadata.namespace) or None
+        if acceptance.error:
+            self.cond(C.COND_SPEC_ACCEPTED, False, "InvalidSpec",
+                      f"the edited spec is invalid and is not applied: {acceptance.error}")  # fmt: skip
+        elif acceptance.rejected:
+            self.cond(C.COND_SPEC_ACCEPTED, False, "ChangeNotAllowedWhileRunning",
+                      f"changes to {', '.join(acceptance.rejected)} are not applied while the job runs "
+                      "(only replica counts and runPolicy are); revert them, or suspend the job "
+                      "(runPolicy.suspend: true), edit it and resume")  # fmt: skip
+        else:
+            self.cond(C.COND_SPEC_ACCEPTED, True, "Accepted", "")
+
+    def suspend(self, spec: PersiaJobSpec) -> None:
+        self.cond(C.COND_SUSPENDED, True, "Suspended", "runPolicy.suspend is true: workloads are removed")
+        for type_ in (C.COND_CREATED, C.COND_READY, C.COND_RESTARTING, C.COND_NATS_READY):
+            self.cond(type_, False, "Suspended", "")
+        self.st.start_time = self.st.attempt_start_time = self.st.attempt_ready_time = None
+        self.st.replica_statuses = count_replicas(spec, self.name, self.children, self.st.attempt)
+
+    def start(self, resumed: bool) -> None:
+        """Resuming starts a new attempt; both get fresh start times (and deadlines)."""
+        if resumed:
+            self.cond(C.COND_SUSPENDED, False, "Resumed", "runPolicy.suspend is false: workloads restored")
+            self.st.attempt += 1
+        if self.st.start_time is None:
+            self.st.start_time = self.st.attempt_start_time = self.ts
+            self.st.attempt_ready_time = None
+
+    def resize(self, spec: PersiaJobSpec, changes: dict[str, tuple[int, int]]) -> None:
+        """Applied replica changes: a new attempt with the new sizes, except online NN
+        workers and data loaders, whose Deployments are scaled in place."""
+        restart_for = [
+            f"{field} {old} -> {new}"
+            for field, (old, new) in changes.items()
+            if not (spec.training_mode == "online" and field in ("nnWorker", "dataloader"))
+        ]
+        if restart_for:
+            self.new_attempt("ReplicasChanged", f"restarting with new replica counts: {', '.join(restart_for)}")
+
+    def outcome(self, spec: PersiaJobSpec) -> None:
+        """Success of the current attempt, else its failures: fail or restart."""
+        nn_job = self.children.workload("Job", naming.workload_name(self.name, C.ROLE_NN_WORKER))
+        current = nn_job is not None and nn_job.attempt == str(self.st.attempt)
+        if spec.training_mode == "batch" and current and nn_job.complete:  # type: ignore[union-attr]
+            done = f"all {spec.nn_worker.replicas} NN workers completed"
+            self.cond(C.COND_SUCCEEDED, True, "NNWorkersCompleted", done)
+            return
+        found = failures.find_failures(spec, self.name, self.children, self.st.attempt)
+        decision = failures.decide(found, self.st.restart_count, spec.run_policy.backoff_limit)
+        if decision is not None and decision.fail:
+            self.cond(C.COND_FAILED, True, decision.reason, decision.message)
+        elif decision is not None:
+            self.st.restart_count += 1
+            self.new_attempt(decision.reason, decision.message)
+
+    def created(self, spec: PersiaJobSpec, errors: Sequence[ChildError]) -> list[str]:
+        """Created (and ChildCreateFailed); returns the missing children."""
+        missing = missing_children(PersiaJob(metadata=self.job.metadata, spec=spec, status=self.st), self.children)
+        permanent = [e for e in errors if e.permanent]
+        if permanent:
+            self.cond(C.COND_FAILED, True, "ChildCreateFailed",
+                      "; ".join(f"{e.kind}/{e.name}: {e.message}" for e in permanent))  # fmt: skip
+        if errors:
+            self.cond(C.COND_CREATED, False, "ChildCreateFailed",
+                      "; ".join(f"{e.kind}/{e.name}: {e.message}" for e in errors))  # fmt: skip
+        elif missing:
+            self.cond(C.COND_CREATED, False, "Creating", f"waiting for {', '.join(missing)}")
+        else:
+            self.cond(C.COND_CREATED, True, "ChildrenCreated", "")
+        return missing
+
+    def readiness(self, spec: PersiaJobSpec, missing: list[str]) -> None:
+        """Counts, NatsReady and Ready of the current attempt."""
+        st = self.st
+        st.replica_statuses = count_replicas(spec, self.name, self.children, st.attempt)
+        nats = st.replica_statuses.get("nats")
+        nats_ready = nats is None or nats.ready >= nats.desired
+        if nats is None:
+            self.cond(C.COND_NATS_READY, True, "ExternalNats", f"using {st.nats_url}")
+        else:
+            self.cond(C.COND_NATS_READY, nats_ready, "NatsAvailable" if nats_ready else "NatsNotReady",
+                      f"{nats.ready_ratio} NATS servers ready")  # fmt: skip
+        not_ready = [] if nats_ready else [f"nats {nats.ready_ratio}"]  # type: ignore[union-attr]
+        for role in C.TRAINING_ROLES:
+            counts = st.replica_statuses.get(C.ROLE_FIELDS[role])
+            if counts is None:
+                continue
+            # A batch data loader (or NN worker) that finished its work is not "unready".
+            done = counts.succeeded if workload_kind(spec, role) == "Job" else 0
+            if counts.ready + done < counts.desired:
+                not_ready.append(f"{C.ROLE_FIELDS[role]} {counts.ready_ratio}"
+                                 f"{_waiting_note(self.children, role, st.attempt)}")  # fmt: skip
+        if missing:
+            self.cond(C.COND_READY, False, "ChildrenMissing", f"waiting for {', '.join(missing)}")
+        elif not_ready:
+            self.cond(C.COND_READY, False, "ReplicasNotReady", f"not ready: {', '.join(not_ready)}")
+        else:
+            summary = ", ".join(f"{f} {c.ready_ratio}" for f, c in st.replica_statuses.items() if f != "nats")
+            self.cond(C.COND_READY, True, "AllReplicasReady", summary)
+            if st.attempt_ready_time is None:
+                st.attempt_ready_time = self.ts
+        restarting = st.condition(C.COND_RESTARTING)
+        if restarting is not None and restarting.status == "True" and st.attempt_ready_time is not None:
+            self.cond(C.COND_RESTARTING, False, "Recovered", f"attempt {st.attempt} is ready")
+
+    def deadlines(self, spec: PersiaJobSpec) -> None:
+        ads = spec.run_policy.active_deadline_seconds
+        running_for = _seconds_since(self.now, self.st.start_time)
+        if ads is not None and running_for is not None and running_for > ads:
+            self.cond(C.COND_FAILED, True, "DeadlineExceeded",
+                      f"running for {int(running_for)}s; runPolicy.activeDeadlineSeconds is {ads}")  # fmt: skip
+            return
+        sds = spec.run_policy.startup_deadline_seconds
+        starting_for = _seconds_since(self.now, self.st.attempt_start_time)
+        if sds is not None and self.st.attempt_ready_time is None and starting_for is not None and starting_for > sds:
+            ready = self.st.condition(C.COND_READY)
+            self.cond(C.COND_FAILED, True, "StartupDeadlineExceeded",
+                      f"attempt {self.st.attempt} not Ready {int(starting_for)}s after its start "
+                      f"(runPolicy.startupDeadlineSeconds is {sds}): {ready.message if ready else ''}")  # fmt: skip
+
+
+def derive_status(
+    job: ObservedJob,
+    children: Children,
+    now: datetime,
+    errors: Sequence[ChildError] = (),
+) -> JobStatus:
+    """The next status of `job`; `errors` are API errors of this pass's child writes."""
+    p = _Pass(job, children, now)
+    prev = job.status
+    if prev.terminal():  # sticky: only the counts move
+        running = effective_job(job.metadata, p.st)
+        if running is not None:
+            p.st.replica_statuses = count_replicas(running.spec, p.name, children, p.st.attempt)
+        return p.finish()
+
+    for type_ in C.CONDITION_TYPES:  # always present, so `kubectl wait` and columns work
+        if p.st.condition(type_) is None:
+            p.cond(type_, False, "Pending", "")
+
+    locked = prev.start_time is not None and not prev.is_true(C.COND_SUSPENDED)
+    acceptance = accept_spec(job.spec, prev.accepted_spec, locked=locked)
+    if acceptance.spec is None:
+        message = f"invalid spec: {acceptance.error}"
+        p.cond(C.COND_CREATED, False, "InvalidSpec", message)
+        p.cond(C.COND_SPEC_ACCEPTED, False, "InvalidSpec", message)
+        p.cond(C.COND_FAILED, True, "InvalidSpec", message)
+        p.close(C.COND_FAILED)
+        return p.finish()
+    spec = acceptance.spec
+    p.accept(acceptance)
+    if spec.run_policy.suspend:
+        p.suspend(spec)
+        return p.finish()
+    p.start(resumed=prev.is_true(C.COND_SUSPENDED))
+    if locked:
+        p.resize(spec, acceptance.replica_changes)
+    p.outcome(spec)
+    missing = p.created(spec, errors)
+    p.readiness(spec, missing)
+    if p.st.terminal() is None:
+        p.deadlines(spec)
+    terminal = p.st.terminal()
+    if terminal is not None:
+        p.close(terminal)
+    return p.finish()
+
+
+__all__ = ["ChildError", "ObservedJob", "derive_status", "effective_job", "count_replicas",
+           "missing_children", "RUN_TO_COMPLETION_ROLES"]  # fmt: skip

@@ -1,0 +1,134 @@
+"""plan_actions: the API calls that follow from a derived status (pure)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from operator_testkit import Sim, failed, job_body
+
+from persia_operator import constants as C
+from persia_operator.children import Children
+from persia_operator.plan import Create, Delete, DeleteJob, Patch, plan_actions
+from persia_operator.spec import JobMeta
+
+
+def plan(sim: Sim, summaries, seconds: float = 0):
+    meta = JobMeta.model_validate(sim.body["metadata"])
+    return plan_actions(meta, sim.status, Children.from_summaries(summaries, owner_uid="uid-1"),
+                        sim.now + timedelta(seconds=seconds))  # fmt: skip
+
+
+def keys(actions, kind):
+    return sorted(
+        (a.manifest["kind"], a.manifest["metadata"]["name"]) if isinstance(a, Create) else (a.kind, a.name)
+        for a in actions
+        if isinstance(a, kind)
+    )
+
+
+def test_fresh_job_creates_every_child():
+    sim = Sim()
+    sim.step()
+    actions = plan(sim, [])
+    assert all(isinstance(a, Create) for a in actions)
+    assert keys(actions, Create) == sorted((m["kind"], m["metadata"]["name"]) for m in sim.manifests())
+
+
+def test_complete_job_needs_nothing():
+    sim = Sim().running()
+    assert plan(sim, sim.children()) == []
+
+
+def test_deleted_children_are_recreated():
+    sim = Sim().running()
+    actions = plan(sim, sim.children(skip=("Service/demo-nn-worker", "StatefulSet/demo-embedding-ps")))
+    assert keys(actions, Create) == [("Service", "demo-nn-worker"), ("StatefulSet", "demo-embedding-ps")]
+
+
+def test_restart_replaces_workloads_of_the_old_attempt():
+    sim = Sim().running()
+    old = sim.children(overrides={"demo-nn-worker-0": failed(137)})
+    sim.step(old)
+    assert sim.status.attempt == 1
+    actions = plan(sim, old)
+    # Training workloads of attempt 0 go; NATS, Services and ConfigMaps stay.
+    assert keys(actions, Delete) == [("Job", "demo-dataloader"), ("Job", "demo-nn-worker"),
+                                     ("StatefulSet", "demo-embedding-ps"), ("StatefulSet", "demo-embedding-worker")]  # fmt: skip
+    assert keys(actions, Create) == []  # same names: created once the old ones are gone
+    gone = [s for s in old if s["kind"] in ("Service", "ConfigMap") or s["role"] == "nats"]
+    created = keys(plan(sim, gone), Create)
+    assert created == [("Job", "demo-dataloader"), ("Job", "demo-nn-worker"),
+                       ("StatefulSet", "demo-embedding-ps"), ("StatefulSet", "demo-embedding-worker")]  # fmt: skip
+    new = [a for a in plan(sim, gone) if isinstance(a, Create)]
+    assert {a.manifest["metadata"]["labels"][C.LABEL_ATTEMPT] for a in new} == {"1"}
+
+
+@pytest.mark.parametrize(
+    "policy, deleted",
+    [
+        ("Running", [("Job", "demo-dataloader"), ("StatefulSet", "demo-embedding-ps"),
+                     ("StatefulSet", "demo-embedding-worker"), ("StatefulSet", "demo-nats")]),
+        ("All", [("Job", "demo-dataloader"), ("Job", "demo-nn-worker"), ("StatefulSet", "demo-embedding-ps"),
+                 ("StatefulSet", "demo-embedding-worker"), ("StatefulSet", "demo-nats")]),
+        ("None", []),
+    ],
+)  # fmt: skip
+def test_clean_pod_policy_after_success(policy, deleted):
+    sim = Sim(job_body(runPolicy={"cleanPodPolicy": policy})).running()
+    done = {"demo-nn-worker": {"conditions": [{"type": "Complete", "status": "True"}]}}
+    sim.step(sim.children(workload_status=done))
+    assert sim.status.phase == "Succeeded"
+    actions = plan(sim, sim.children(workload_status=done))
+    assert keys(actions, Delete) == deleted
+    assert keys(actions, Create) == []
+
+
+def test_cleanup_after_failure_keeps_the_failed_job():
+    sim = Sim().running()
+    failed_job = {"demo-nn-worker": {"conditions": [{"type": "Failed", "status": "True"}]}}
+    sim.step(sim.children(overrides={"demo-nn-worker-0": failed(1)}, workload_status=failed_job))
+    actions = plan(sim, sim.children(workload_status=failed_job))
+    assert ("Job", "demo-nn-worker") not in keys(actions, Delete)
+    assert ("StatefulSet", "demo-embedding-ps") in keys(actions, Delete)
+
+
+def test_ttl_after_finished_deletes_the_job():
+    sim = Sim(job_body(runPolicy={"ttlSecondsAfterFinished": 60})).running()
+    sim.step(sim.children(overrides={"demo-embedding-ps-0": failed(2)}))
+    assert not [a for a in plan(sim, [], seconds=59) if isinstance(a, DeleteJob)]
+    assert [a for a in plan(sim, [], seconds=60) if isinstance(a, DeleteJob)]
+
+
+def test_no_ttl_no_delete():
+    sim = Sim().running()
+    sim.step(sim.children(overrides={"demo-embedding-ps-0": failed(2)}))
+    assert not [a for a in plan(sim, [], seconds=10**6) if isinstance(a, DeleteJob)]
+
+
+def test_suspended_job_removes_workloads_only():
+    sim = Sim().running()
+    sim.body["spec"]["runPolicy"] = {"suspend": True}
+    sim.step(sim.children())
+    actions = plan(sim, sim.children())
+    assert {k for k, _ in keys(actions, Delete)} == {"StatefulSet", "Job"}
+    assert len(keys(actions, Delete)) == 5 and keys(actions, Create) == []
+
+
+def test_online_resize_patches_the_deployment():
+    sim = Sim(job_body(trainingMode="online")).running()
+    before = sim.children()
+    sim.body["spec"]["dataloader"]["replicas"] = 3
+    sim.step(before)
+    patches = [a for a in plan(sim, before) if isinstance(a, Patch)]
+    assert [(p.kind, p.name, p.patch["spec"]["replicas"]) for p in patches] == [("Deployment", "demo-dataloader", 3)]
+    env = patches[0].patch["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "REPLICA_SIZE", "value": "3"} in env
+
+
+def test_never_accepted_spec_plans_nothing():
+    body = job_body()
+    body["spec"]["nats"] = {"maxPayload": 0}
+    sim = Sim(body)
+    sim.step()
+    assert plan(sim, []) == []
