@@ -24,6 +24,19 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def _pack(obj: Any) -> bytes:
+    # gRPC treats a deserializer returning None as a failure, so every message is a one-key map.
+    return encode({"m": obj})
+
+
+def _unpack(buf: bytes) -> dict:
+    """Returns the envelope, never None (gRPC would call None a deserialization failure)."""
+    tree = decode(buf)
+    if not isinstance(tree, dict) or "m" not in tree:
+        raise ValueError("not a persia gRPC message")
+    return tree
+
+
 def serve(
     service: str,
     methods: dict[str, Callable[[Any], Any]],
@@ -36,7 +49,7 @@ def serve(
     def wrap(name: str, fn: Callable[[Any], Any]):
         def handler(request: Any, context: grpc.ServicerContext) -> Any:
             try:
-                return fn(request)
+                return fn(request["m"])
             except (ValueError, KeyError, TypeError, LookupError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}")
             except Exception as exc:  # noqa: BLE001
@@ -44,7 +57,7 @@ def serve(
                 context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
         return grpc.unary_unary_rpc_method_handler(
-            handler, request_deserializer=decode, response_serializer=encode
+            handler, request_deserializer=_unpack, response_serializer=_pack
         )
 
     server = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
@@ -71,14 +84,14 @@ class Client:
         m = self._methods.get(name)
         if m is None:
             m = self._channel.unary_unary(
-                f"/{self.service}/{name}", request_serializer=encode, response_deserializer=decode
+                f"/{self.service}/{name}", request_serializer=_pack, response_deserializer=_unpack
             )
             self._methods[name] = m
         return m
 
     def call(self, name: str, request: Any = None, timeout: float = 60.0) -> Any:
         try:
-            return self._method(name)(request, timeout=timeout)
+            return self._method(name)(request, timeout=timeout)["m"]
         except grpc.RpcError as exc:
             raise _as_remote_error(self, name, exc) from None
 
@@ -87,7 +100,7 @@ class Client:
 
     def result(self, name: str, fut) -> Any:
         try:
-            return fut.result()
+            return fut.result()["m"]
         except grpc.RpcError as exc:
             raise _as_remote_error(self, name, exc) from None
 

@@ -175,3 +175,45 @@ def test_loading_an_unfinished_checkpoint_is_refused(persia_env, tmp_path):
                       dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
             with pytest.raises(FileNotFoundError, match="no embedding_dump_done marker"):
                 ctx.load_checkpoint(str(tmp_path / "partial"))
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, staleness):
+    with cluster(num_ps=1, num_workers=2) as servers:
+        workers = servers[1:]
+        model = Model()
+        errors: list = []
+        sender = send_in_thread([make_batch(i) for i in range(15)], errors)
+        seen = []
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            for batch in DataLoader(StreamingDataset(8), embedding_staleness=staleness, forward_buffer_size=8):
+                # every batch looked up and not yet updated sits in a worker's post-forward buffer
+                seen.append(sum(len(w.post_buffer) for w in workers))
+                out, labels = ctx.forward(batch)
+                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        sender.join(30)
+        assert not errors
+    assert len(seen) == 15
+    assert max(seen) <= staleness
+    if staleness == 1:
+        assert seen == [1] * 15  # update-before-next-lookup: exactly one batch in flight
+
+
+def test_synchronous_reference_mode_is_deterministic(persia_env):
+    def run():
+        torch.manual_seed(0)
+        model = Model()
+        with cluster(num_ps=2, num_workers=1):
+            train(model, 10, staleness=1)
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+                emb = eval_embeddings(model, [make_batch(77, requires_grad=False)])
+        return [p.detach().clone() for p in model.parameters()], emb
+
+    params_a, emb_a = run()
+    params_b, emb_b = run()
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for x, y in zip(emb_a[0], emb_b[0]):
+        np.testing.assert_array_equal(x, y)
