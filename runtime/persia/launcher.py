@@ -76,10 +76,28 @@ def _python() -> str:
     return sys.executable
 
 
+_rendezvous_keepalive: list = []
+
+
+def _rendezvous_index(role: str, given: int, size: int) -> int:
+    """With ``PERSIA_RENDEZVOUS=nats`` (Deployments: no pod ordinal) the index comes from NATS."""
+    from persia.rendezvous import claim_index, rendezvous_enabled
+
+    if not rendezvous_enabled():
+        return given
+    from persia.bus import NatsBus
+
+    bus = NatsBus(name=f"rdzv-{role}")
+    index, stop = claim_index(bus, role, size)
+    _rendezvous_keepalive.append((bus, stop))  # renewed for as long as this launcher lives
+    return index
+
+
 def run_nn_worker(args) -> int:
     """Spawn ``nproc_per_node`` ranks (like torch.distributed.launch) and supervise them:
     if one fails, the others are stopped and its exit code is returned."""
     path = _require(args.filepath, "FILEPATH", "PERSIA_NN_WORKER_ENTRY")
+    args.node_rank = _rendezvous_index("nn", args.node_rank, args.nnodes)
     _check_replica(args.node_rank, args.nnodes, "nn-worker node")
     if args.nproc_per_node < 1:
         raise SystemExit(f"persia-launcher: --nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -132,8 +150,11 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
 
 def run_data_loader(args) -> int:
     path = _require(args.filepath, "FILEPATH", "PERSIA_DATALOADER_ENTRY")
+    args.replica_index = _rendezvous_index("dl", args.replica_index, args.replica_size)
     _check_replica(args.replica_index, args.replica_size, "data loader")
     env = dict(os.environ, REPLICA_INDEX=str(args.replica_index), REPLICA_SIZE=str(args.replica_size))
+    if _rendezvous_keepalive:  # keep renewing the lease: supervise instead of exec
+        return _supervise([subprocess.Popen([_python(), path], env=env)])
     os.execve(_python(), [_python(), path], env)
     return 0  # not reached
 

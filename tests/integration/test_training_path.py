@@ -217,3 +217,22 @@ def test_synchronous_reference_mode_is_deterministic(persia_env):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     for x, y in zip(emb_a[0], emb_b[0]):
         np.testing.assert_array_equal(x, y)
+
+
+def test_rendezvous_over_nats_hands_out_distinct_indices(persia_env, monkeypatch):
+    from persia.bus import shared_bus
+    from persia.errors import BusyError
+    from persia.rendezvous import claim_index
+
+    with cluster(num_ps=1, num_workers=1):
+        bus = shared_bus()
+        got = []
+        for pod in ("nn-abc", "nn-def"):
+            monkeypatch.setenv("HOSTNAME", pod)
+            index, stop = claim_index(bus, "nn", 2)
+            got.append(index)
+            stop.set()
+        assert sorted(got) == [0, 1]
+        monkeypatch.setenv("HOSTNAME", "nn-xyz")
+        with pytest.raises(BusyError):
+            claim_index(bus, "nn", 2, deadline_s=1.0)

@@ -87,6 +87,10 @@ class EmbeddingParameterServer:
         bus.serve(subject("ps", "status", i), lambda _o: self.status(), blocking=False)
         bus.serve(subject("ps", "stats", i), lambda _o: self.stats())
         bus.serve(subject("ps", "clear", i), self.clear)
+        if i == 0:  # replica indices for Deployment-run roles (online training)
+            from persia.rendezvous import RendezvousServer
+
+            self.rendezvous = RendezvousServer(bus)
         bus.flush()
 
     # -- control ----------------------------------------------------------------------------------
