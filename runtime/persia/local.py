@@ -180,6 +180,7 @@ def run_local(args) -> int:
             env = dict(role.env, PERSIA_NATS_URL=url)
             p = subprocess.Popen(role.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             procs[role.name] = p
+            out.line("local", f"started {role.name} (pid {p.pid})")
             threading.Thread(target=_pump, args=(p, role.name, out), daemon=True).start()
             threading.Thread(target=lambda p=p: (p.wait(), changed.set()), daemon=True).start()
         progress.start()

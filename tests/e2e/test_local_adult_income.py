@@ -62,3 +62,40 @@ def test_a_failing_role_fails_the_run(tmp_path):
     )
     assert proc.returncode == 1
     assert "dl-0 failed with exit code 3" in proc.stdout
+
+
+def test_ctrl_c_tears_every_role_down(tmp_path):
+    import os
+    import re
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(EXAMPLE / "train.py"),
+         "--data-loader", str(EXAMPLE / "data_loader.py"),
+         "--embedding-config", str(EXAMPLE / "config" / "embedding_config.yml"),
+         "--global-config", str(EXAMPLE / "config" / "global_config.yml"), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    pids, lines = [], []
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:  # wait until training is under way
+        lines.append(line)
+        m = re.search(r"started (\S+) \(pid (\d+)\)", line)
+        if m:
+            pids.append(int(m.group(2)))
+        if "batch 0 loss" in line or time.monotonic() > deadline:
+            break
+    assert len(pids) == 4, "".join(lines)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, "".join(lines) + rest
+    assert "interrupted: stopping every role" in rest
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        # a zombie is not a running process; anything else is a leak
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().split()[2] == "Z", f"role pid {pid} still running"
