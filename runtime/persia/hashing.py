@@ -86,3 +86,19 @@ def uniform_from_signs(signs: np.ndarray, dim: int, lower: float, upper: float) 
         h = mix64(mix64(signs)[:, None] ^ cols[None, :])
     unit = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return (lower + (upper - lower) * unit).astype(np.float32)
+
+
+def mix64_salted(x: np.ndarray, salt: int) -> np.ndarray:
+    """``mix64(x ^ salt)`` computed in place on one new array (fewer temporaries on hot paths)."""
+    z = np.asarray(x, dtype=np.uint64) ^ np.uint64(salt)
+    with np.errstate(over="ignore"):
+        z += _GOLDEN
+        t = z >> _S30
+        z ^= t
+        z *= _C1
+        np.right_shift(z, _S27, out=t)
+        z ^= t
+        z *= _C2
+        np.right_shift(z, _S31, out=t)
+        z ^= t
+    return z

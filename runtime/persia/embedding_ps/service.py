@@ -67,9 +67,17 @@ class EmbeddingParameterServer:
         )
         self.address = f"{advertise_host or host}:{self.port}"
         ic = global_config.common_config.infer_config
-        if global_config.common_config.job_type == "Infer" and ic.embedding_checkpoint:
-            self.load({"dir": ic.embedding_checkpoint})
+        self.applier = None
+        if global_config.common_config.job_type == "Infer":
+            if ic.embedding_checkpoint:
+                self.load({"dir": ic.embedding_checkpoint})
             self._configured = True
+            if pc.incremental_dir and pc.enable_incremental_update:
+                # PERSIA's inference PS scans the training PS's incremental dumps every 10 s.
+                from persia.embedding_ps.incremental import IncrementalApplier
+
+                self.applier = IncrementalApplier(self.store, pc.incremental_dir, replica_index, replica_size)
+                self.applier.start(10.0)
         log.info("embedding PS %d/%d on %s (capacity %d rows)", replica_index, replica_size, self.address, pc.capacity)
         self.bus = bus
         if bus is not None:
@@ -124,7 +132,10 @@ class EmbeddingParameterServer:
 
     def dump(self, req: dict) -> dict:
         directory = Path(req["dir"])
-        return self._run_status("dumping", lambda: self.store.dump(directory, self.replica_index, self.num_workers))
+        return self._run_status(
+            "dumping",
+            lambda: self.store.dump(directory, self.replica_index, self.num_workers, replica_size=self.replica_size),
+        )
 
     def load(self, req: dict) -> dict:
         directory = Path(req["dir"])
@@ -166,13 +177,13 @@ class EmbeddingParameterServer:
         for t in req["tables"]:
             signs = np.asarray(t["signs"], dtype=np.uint64)
             missing += self.store.update(signs, np.asarray(t["grads"], dtype=np.float32))
-            if self.incremental is not None:
-                self.incremental.record(signs)
         return {"missing": missing}
 
     def stop(self) -> None:
         if self.incremental is not None:
             self.incremental.close()
+        if self.applier is not None:
+            self.applier.stop()
         self._server.stop(grace=1.0)
 
     def wait(self) -> None:

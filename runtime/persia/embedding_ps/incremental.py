@@ -1,0 +1,299 @@
+"""Incremental updates (PERSIA's ``enable_incremental_update``): a training PS ships the rows its
+gradients changed to timestamped packet directories; an inference PS applies new packets.
+
+::
+
+    <incremental_dir>/s<i>/inc_<YYYYmmddHHMMSS>_<usec>_<seq>/
+        dim_<d>_part_<j>.inc      same format as checkpoint files (kind = incremental)
+        inc_update_done           JSON manifest, written last
+
+A packet is written once ``incremental_buffer_size`` distinct signs have changed (or on
+``flush``/``close``), by a background thread: ``update`` only appends the changed signs to a list.
+The packet name is taken once per packet (PERSIA took it per chunk, so chunks could straddle two
+directories). Rows carry their current weights and optimizer state; evicted rows are skipped
+(deletions are not shipped, as in PERSIA).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from persia.embedding_ps import checkpoint as ckpt
+from persia.hashing import PS_SHARD_SALT, shard_of
+
+if TYPE_CHECKING:  # pragma: no cover
+    from persia.embedding_ps.store import EmbeddingStore
+
+log = logging.getLogger(__name__)
+
+INC_DONE_MARKER = "inc_update_done"
+INC_FORMAT = "persia-embedding-ps-inc/1"
+_ANY_DIM = 0  # key of signs recorded without a dim: looked up in every dim when written
+
+
+class IncrementalDumper:
+    """Collects changed signs of a training store and writes them as packets in the background.
+
+    With ``attach`` (default) it listens to the store's updates itself, so callers need not call
+    :meth:`record`; ``record`` is for signs changed some other way.
+    """
+
+    def __init__(
+        self,
+        store: "EmbeddingStore",
+        incremental_dir: str | Path,
+        replica_index: int,
+        buffer_size: int,
+        num_workers: int = 4,
+        *,
+        attach: bool = True,
+        fsync: bool = True,
+    ):
+        if buffer_size <= 0:
+            raise ValueError(f"incremental_buffer_size must be positive, got {buffer_size}")
+        self.store = store
+        self.directory = Path(incremental_dir) / f"s{int(replica_index)}"
+        self.replica_index = int(replica_index)
+        self.buffer_size = int(buffer_size)
+        self.num_workers = max(1, int(num_workers))
+        self.fsync = fsync
+        self.packets_written = 0
+        self.rows_written = 0
+        self.last_error: BaseException | None = None
+        self._pending: dict[int, list[np.ndarray]] = {}
+        self._pending_count = 0
+        self._next_check = self.buffer_size
+        self._flush_requested = 0  # flush generations: asked for / written
+        self._flush_done = 0
+        self._closing = False
+        self._seq = 0
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name=f"ps-incremental-{replica_index}", daemon=True)
+        self._thread.start()
+        self._attached = attach
+        if attach:
+            store.add_update_listener(self._on_update)
+
+    def _on_update(self, dim: int, signs: np.ndarray) -> None:
+        self.record(signs, dim)
+
+    def record(self, signs: np.ndarray, dim: int | None = None) -> None:
+        """Remember that these signs' rows (of ``dim``, or of any dim) changed."""
+        signs = np.asarray(signs, dtype=np.uint64)
+        if signs.size == 0:
+            return
+        with self._cond:
+            if self._closing:  # an update racing shutdown: its rows miss the last packet
+                log.warning("incremental dumper closed: %d changed signs not shipped", signs.shape[0])
+                return
+            self._pending.setdefault(int(dim) if dim else _ANY_DIM, []).append(signs.copy())
+            self._pending_count += signs.shape[0]
+            if self._pending_count >= self._next_check:
+                self._cond.notify_all()
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Write whatever is pending now and wait until it is on disk."""
+        with self._cond:
+            self._flush_requested += 1
+            wanted = self._flush_requested
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._flush_done >= wanted, timeout):
+                raise TimeoutError("incremental packet not written in time")
+        if self.last_error is not None:
+            raise RuntimeError(f"incremental dump failed: {self.last_error}") from self.last_error
+
+    def close(self) -> None:
+        """Write what is pending, stop the writer thread and detach from the store."""
+        if self._attached:
+            self.store.remove_update_listener(self._on_update)
+            self._attached = False
+        with self._cond:
+            if self._closing:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # -- writer thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: self._closing
+                    or self._flush_requested > self._flush_done
+                    or self._pending_count >= self._next_check
+                )
+                serving = self._flush_requested  # every flush asked so far is served by this round
+                closing = self._closing
+                forced = closing or serving > self._flush_done
+                pending, self._pending, self._pending_count = self._pending, {}, 0
+            # deduplicate outside the lock: update() keeps appending meanwhile
+            batch = {d: np.unique(np.concatenate(arrs)) for d, arrs in pending.items() if arrs}
+            distinct = sum(a.shape[0] for a in batch.values())
+            if distinct and (forced or distinct >= self.buffer_size):
+                try:
+                    self.write_packet(batch)
+                except Exception as exc:  # keep serving; flush() reports it, and it is logged
+                    log.exception("incremental packet write failed")
+                    self.last_error = exc
+                batch, distinct = {}, 0
+            with self._cond:
+                if distinct:  # not enough distinct signs yet: keep them, look again after enough more
+                    for d, arr in batch.items():
+                        self._pending.setdefault(d, []).insert(0, arr)
+                    self._pending_count += distinct
+                    self._next_check = distinct + max(self.buffer_size - distinct, distinct // 2)
+                else:
+                    self._next_check = self.buffer_size
+                self._flush_done = max(self._flush_done, serving)
+                self._cond.notify_all()
+            if closing:
+                return
+
+    def write_packet(self, batch: dict[int, np.ndarray]) -> Path | None:
+        """Write one packet directory with the current rows of ``batch`` (dim -> signs)."""
+        parts: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]] = []
+        for dim, signs in batch.items():
+            for d in ([dim] if dim != _ANY_DIM else self.store.dims()):
+                found, weights, state, code = self.store.read_rows(signs, d)
+                if found.shape[0]:
+                    parts.append((d, found, weights, state, code))
+        if not parts:
+            return None
+        now = _dt.datetime.now(_dt.timezone.utc)
+        self._seq += 1
+        pdir = self.directory / f"inc_{now:%Y%m%d%H%M%S}_{now.microsecond:06d}_{self._seq:06d}"
+        pdir.mkdir(parents=True, exist_ok=False)
+        jobs = []
+        for d, found, weights, state, code in parts:
+            for j, idx in enumerate(np.array_split(np.arange(found.shape[0]), min(self.num_workers, found.shape[0]))):
+                jobs.append((pdir / f"dim_{d}_part_{j}.inc", found[idx], weights[idx], state[idx], code))
+        with ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="ps-inc") as pool:
+            entries = list(pool.map(
+                lambda job: ckpt.write_rows_file(*job, kind=ckpt.KIND_INCREMENTAL, fsync=self.fsync), jobs
+            ))
+        rows = sum(e["rows"] for e in entries)
+        ckpt.write_json_atomic(pdir / INC_DONE_MARKER, {
+            "format": INC_FORMAT, "replica_index": self.replica_index, "rows": rows,
+            "created_unix": now.timestamp(), "files": entries,
+        }, fsync=self.fsync)
+        self.packets_written += 1
+        self.rows_written += rows
+        return pdir
+
+
+def complete_packets(incremental_dir: str | Path) -> list[Path]:
+    """Every finished packet under ``incremental_dir`` (all training replicas), oldest first."""
+    base = Path(incremental_dir)
+    if not base.is_dir():
+        return []
+    packets = [p for p in base.glob("s*/inc_*") if p.is_dir() and (p / INC_DONE_MARKER).exists()]
+    return sorted(packets, key=lambda p: (p.name, p.parent.name))
+
+
+def read_packet(packet: Path, replica_index: int, replica_size: int) -> tuple[float, dict[int, ckpt.RowsPart]]:
+    """The packet's creation time and its rows that belong to this replica, by dim."""
+    manifest = ckpt.read_manifest(packet / INC_DONE_MARKER)
+    if manifest.get("format") != INC_FORMAT or not isinstance(manifest.get("files"), list):
+        raise ckpt.CheckpointError(f"{packet}: not an incremental packet manifest ({manifest.get('format')!r})")
+    parts = []
+    for entry in manifest["files"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"]:
+            raise ckpt.CheckpointError(f"{packet}: malformed file entry {entry!r}")
+        path = packet / entry["file"]
+        header, part = ckpt.read_rows_file(path, entry)
+        if header.kind != ckpt.KIND_INCREMENTAL:
+            raise ckpt.CheckpointError(f"{path}: a checkpoint file, not an incremental packet")
+        if replica_size > 1:
+            mine = shard_of(part.signs, replica_size, PS_SHARD_SALT) == replica_index
+            part = ckpt.RowsPart(part.dim, part.state_code, part.signs[mine], part.weights[mine], part.state[mine])
+        parts.append((path, part))
+    return float(manifest.get("created_unix", 0.0)), ckpt.merge_parts(parts)
+
+
+class IncrementalApplier:
+    """Inference side: applies packets it has not applied yet to a store, oldest first.
+
+    Call :meth:`poll` (or :meth:`start` a thread polling every ``interval`` seconds). A packet that
+    cannot be read is logged, counted in ``rejected`` and not retried.
+    """
+
+    def __init__(self, store: "EmbeddingStore", incremental_dir: str | Path, replica_index: int, replica_size: int):
+        if not 0 <= replica_index < replica_size:
+            raise ValueError(f"replica_index {replica_index} is not in [0, replica_size={replica_size})")
+        self.store = store
+        self.directory = Path(incremental_dir)
+        self.replica_index = replica_index
+        self.replica_size = replica_size
+        self.applied: set[str] = set()
+        self.rejected: set[str] = set()
+        self.rows_applied = 0
+        self.last_delay_sec: float | None = None  # PERSIA's inc_update_delay_sec
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def pending(self) -> list[Path]:
+        seen = self.applied | self.rejected
+        return [p for p in complete_packets(self.directory) if str(p.relative_to(self.directory)) not in seen]
+
+    def poll(self) -> int:
+        """Apply every new complete packet; returns the number of rows written."""
+        written = 0
+        for packet in self.pending():
+            key = str(packet.relative_to(self.directory))
+            try:
+                created, by_dim = read_packet(packet, self.replica_index, self.replica_size)
+            except (ckpt.CheckpointError, OSError) as exc:
+                log.error("incremental packet %s rejected: %s", packet, exc)
+                self.rejected.add(key)
+                continue
+            for dim, part in by_dim.items():
+                if part.signs.shape[0]:
+                    written += self.store.upsert(part.signs, dim, part.weights, part.state, part.state_code)
+            self.applied.add(key)
+            if created:
+                self.last_delay_sec = max(0.0, _dt.datetime.now(_dt.timezone.utc).timestamp() - created)
+        self.rows_applied += written
+        return written
+
+    def start(self, interval: float = 10.0) -> None:
+        """Poll in a daemon thread every ``interval`` seconds until :meth:`stop`."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+
+        def loop():
+            while not self._stop.is_set():
+                try:
+                    self.poll()
+                except Exception:  # keep polling; the next round retries
+                    log.exception("incremental apply failed")
+                self._stop.wait(interval)
+
+        self._thread = threading.Thread(target=loop, name="ps-incremental-apply", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def apply_incremental_updates(
+    store: "EmbeddingStore", incremental_dir: str | Path, replica_index: int, replica_size: int,
+    applied: set[str] | None = None,
+) -> set[str]:
+    """One-shot form of :class:`IncrementalApplier`: apply packets not in ``applied``; returns the
+    updated set of applied packet names."""
+    applier = IncrementalApplier(store, incremental_dir, replica_index, replica_size)
+    applier.applied = set(applied or ())
+    applier.poll()
+    return applier.applied

@@ -1,0 +1,565 @@
+"""The embedding PS storage engine: rows per ``dim``, internal shards with their own locks,
+capacity with batched LRU eviction, optimizers, checkpoints. No networking here.
+
+Concurrency: lookups share the shards they touch (read locks, taken in ascending order) for the
+whole probe-and-copy, so a row is never read half-evicted; updates, inserts and evictions own one
+shard at a time; growth, ``load``'s swap, ``clear`` and optimizer changes own every shard. numpy
+releases the GIL in the big gathers, so concurrent RPC threads overlap. See docs/ps-storage.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from persia.embedding_ps import checkpoint as ckpt
+from persia.embedding_ps import index as ix
+from persia.embedding_ps.eviction import choose_victims
+from persia.embedding_ps.optimizers import (
+    OptimizerConfig,
+    apply_step,
+    initial_state_value,
+    optimizer_code,
+    state_width,
+)
+from persia.embedding_ps.rwlock import RWLock, read_all, write_all
+from persia.embedding_ps.table import DimTable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HyperParameters", "EmbeddingStore", "MAX_DIM"]
+
+MAX_DIM = 1 << 16
+_INITIAL_REGION_ROWS = 1024
+_GROWTH = 1.5
+_CLOCK_LIMIT = (1 << 32) - (1 << 24)  # stamps are uint32; rebased (rarely) before they could wrap
+_CLOCK_KEEP = 1 << 24  # a rebase keeps this many lookups of recency apart; older rows tie as oldest
+
+
+class HyperParameters(BaseModel):
+    """What the trainer pushes at start (PERSIA's EmbeddingConfig, flattened)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    init_lower: float = Field(default=-0.01, allow_inf_nan=False)
+    init_upper: float = Field(default=0.01, allow_inf_nan=False)
+    admit_probability: float = Field(default=1.0, gt=0, le=1)
+    weight_bound: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _bounds_in_order(self) -> "HyperParameters":
+        if self.init_lower > self.init_upper:
+            raise ValueError(f"init_lower {self.init_lower} > init_upper {self.init_upper}")
+        return self
+
+
+def _as_signs(signs, field: str = "signs") -> np.ndarray:
+    arr = np.asarray(signs)
+    if arr.ndim != 1:
+        raise ValueError(f"{field} must be a 1-D array of uint64 IDs, got shape {arr.shape}")
+    if arr.dtype == np.uint64:
+        return arr
+    if arr.size == 0:
+        return arr.astype(np.uint64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{field} must hold unsigned 64-bit integer IDs, got dtype {arr.dtype}")
+    if arr.dtype.kind == "i" and arr.min() < 0:
+        raise ValueError(f"{field} must be non-negative IDs, got {int(arr.min())}")
+    return arr.astype(np.uint64)
+
+
+def _as_dim(dim) -> int:
+    if isinstance(dim, (bool, np.bool_)) or not isinstance(dim, (int, np.integer)) or not 0 < int(dim) <= MAX_DIM:
+        raise ValueError(f"dim must be an integer in [1, {MAX_DIM}], got {dim!r}")
+    return int(dim)
+
+
+def _as_grads(grads, n: int) -> np.ndarray:
+    arr = np.asarray(grads)
+    if arr.ndim != 2 or arr.shape[0] != n:
+        raise ValueError(f"grads must have shape (len(signs)={n}, dim), got {arr.shape}")
+    _as_dim(arr.shape[1])
+    if arr.dtype.kind != "f":
+        raise ValueError(f"grads must be floating point, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+class EmbeddingStore:
+    """Embedding rows of one PS replica.
+
+    ``capacity`` bounds the live rows of all dims together; it is split evenly over the
+    ``num_internal_shards`` shards, each evicting its own least recently used rows (batches of
+    ``evict_fraction`` of the shard capacity; 0 evicts exactly what is needed).
+    """
+
+    def __init__(self, capacity: int, num_internal_shards: int = 1, *, seed: int = 0, evict_fraction: float = 1 / 64):
+        if int(capacity) <= 0:
+            raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
+        if int(num_internal_shards) <= 0:
+            raise ValueError(f"num_internal_shards must be positive, got {num_internal_shards}")
+        if not 0 <= evict_fraction < 1:
+            raise ValueError(f"evict_fraction must be in [0, 1), got {evict_fraction}")
+        self.capacity = int(capacity)
+        self.num_shards = int(num_internal_shards)
+        self.shard_capacity = math.ceil(self.capacity / self.num_shards)
+        self.evict_batch = max(1, int(self.shard_capacity * evict_fraction))
+        self._locks = [RWLock() for _ in range(self.num_shards)]
+        self._rngs = [np.random.default_rng([int(seed), k]) for k in range(self.num_shards)]
+        self._tables: dict[int, DimTable] = {}
+        self._tables_lock = threading.Lock()
+        self._hp = HyperParameters()
+        self._configured = False
+        self._optimizer: OptimizerConfig | None = None
+        self._clock = 0
+        self._clock_lock = threading.Lock()
+        self._stats: Counter = Counter()
+        self._stats_lock = threading.Lock()
+        self._listeners: list[Callable[[int, np.ndarray], None]] = []
+
+    # -- configuration --------------------------------------------------------------------------
+    @property
+    def hyperparameters(self) -> HyperParameters:
+        return self._hp
+
+    @property
+    def configured(self) -> bool:
+        """Whether the trainer pushed its hyperparameters (defaults apply until then)."""
+        return self._configured
+
+    @property
+    def optimizer(self) -> OptimizerConfig | None:
+        return self._optimizer
+
+    def configure(self, hp: HyperParameters) -> None:
+        if not isinstance(hp, HyperParameters):
+            raise TypeError(f"configure expects HyperParameters, got {type(hp).__name__}")
+        self._hp = hp
+        self._configured = True
+
+    def register_optimizer(self, cfg: OptimizerConfig) -> None:
+        """Set the optimizer. Rows keep their weights; their state is kept when the new optimizer
+        has the same type and state width (re-registration, or state loaded from a checkpoint),
+        and reset to the optimizer's initial value otherwise."""
+        code = optimizer_code(cfg)
+        with write_all(self._locks):
+            for table in self._tables.values():
+                width = state_width(cfg, table.dim)
+                if (table.state_code, table.state_width) != (code, width):
+                    table.reset_state(width, initial_state_value(cfg))
+                table.state_code = code
+                table.state_init = initial_state_value(cfg)
+            self._optimizer = cfg
+
+    def add_update_listener(self, fn: Callable[[int, np.ndarray], None]) -> None:
+        """Call ``fn(dim, signs)`` after every update with the signs whose rows changed."""
+        self._listeners.append(fn)
+
+    def remove_update_listener(self, fn: Callable[[int, np.ndarray], None]) -> None:
+        self._listeners.remove(fn)
+
+    # -- bookkeeping ----------------------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            self._stats.update(deltas)
+
+    def _tick(self) -> int:
+        with self._clock_lock:
+            self._clock += 1
+            clock = self._clock
+        if clock >= _CLOCK_LIMIT:
+            self._rebase_clock()
+            with self._clock_lock:
+                self._clock += 1
+                clock = self._clock
+        return clock
+
+    def _rebase_clock(self) -> None:
+        """Shift every stamp down so the uint32 clock never wraps (once per ~4e9 lookups)."""
+        with write_all(self._locks):
+            with self._clock_lock:
+                if self._clock < _CLOCK_LIMIT:
+                    return
+                shift = self._clock - _CLOCK_KEEP
+                for table in self._tables.values():
+                    st = table.stamps
+                    live = st != 0
+                    st[live] = np.maximum(st[live].astype(np.int64) - shift, 1).astype(np.uint32)
+                self._clock -= shift
+
+    def _table(self, dim: int) -> DimTable:
+        table = self._tables.get(dim)
+        if table is not None:
+            return table
+        with self._tables_lock:
+            table = self._tables.get(dim)
+            if table is None:
+                cfg = self._optimizer
+                table = DimTable(
+                    dim,
+                    self.num_shards,
+                    min(_INITIAL_REGION_ROWS, self.shard_capacity),
+                    state_width(cfg, dim),
+                    initial_state_value(cfg),
+                )
+                table.state_code = optimizer_code(cfg)
+                self._tables = {**self._tables, dim: table}
+        return table
+
+    def _touched(self, h: np.ndarray) -> list[int]:
+        """Shards a batch touches, ascending (all of them for a big batch: locking an untouched
+        shard for reading costs nothing but a little concurrency)."""
+        if self.num_shards == 1 or h.shape[0] >= 32 * self.num_shards:
+            return list(range(self.num_shards))
+        return np.unique(ix.shard_ids(h, self.num_shards)).tolist()
+
+    def _groups(self, h: np.ndarray):
+        """(shard, positions) per touched shard; positions None means every sign (one shard)."""
+        if self.num_shards == 1:
+            return [(0, None)]
+        shard = ix.shard_ids(h, self.num_shards)
+        small = shard.astype(np.uint8 if self.num_shards <= 256 else np.uint16 if self.num_shards <= 65536 else np.int64)
+        order = np.argsort(small, kind="stable")  # radix sort for small integer keys
+        ends = np.cumsum(np.bincount(shard, minlength=self.num_shards))
+        out, start = [], 0
+        for k in range(self.num_shards):
+            end = int(ends[k])
+            if end > start:
+                out.append((k, order[start:end]))
+            start = end
+        return out
+
+    # -- data path ------------------------------------------------------------------------------
+    def lookup(self, signs: np.ndarray, dim: int, train: bool) -> np.ndarray:
+        """Rows of ``signs`` as float32 ``(n, dim)``.
+
+        ``train``: missing rows are created (each with probability ``admit_probability``, with the
+        deterministic initial value of its sign; a row not admitted reads as zeros) and every row
+        read becomes most recently used. Not ``train``: nothing is created or refreshed; misses
+        read as zeros.
+        """
+        q = _as_signs(signs)
+        dim = _as_dim(dim)
+        n = q.shape[0]
+        out = np.empty((n, dim), dtype=np.float32)
+        if n == 0:
+            return out
+        if dim not in self._tables and not train:
+            out.fill(0.0)
+            self._count(lookup_calls=1, lookup_ids=n, index_miss=n)
+            return out
+        self._table(dim)
+        big = self.num_shards == 1 or n >= 32 * self.num_shards
+        h = None if big else ix.sign_hash(q)  # a big batch hashes chunk by chunk inside locate
+        touched = list(range(self.num_shards)) if big else self._touched(h)
+        clock = self._tick() if train else 0
+        with read_all(self._locks, touched):
+            table = self._tables.get(dim)
+            if table is None:  # cleared meanwhile
+                out.fill(0.0)
+                hit = np.zeros(n, dtype=bool)
+            else:
+                rows, hit, _, _ = table.locate(q, h, out)
+                if train:
+                    table.stamps[rows if hit.all() else rows[hit]] = clock
+        misses = n - int(np.count_nonzero(hit))
+        self._count(lookup_calls=1, lookup_ids=n, index_miss=misses)
+        if not train or misses == 0:
+            return out
+        # Rows read above stay valid answers even if evicted later (the lookup happened first);
+        # only the misses need a second pass once they are inserted.
+        miss = np.flatnonzero(~hit)
+        mq = q[miss]
+        mh = ix.sign_hash(mq) if h is None else h[miss]
+        new_signs, first = np.unique(mq, return_index=True)
+        self._insert(dim, new_signs, mh[first], clock, admit=True)
+        sub = np.empty((miss.shape[0], dim), dtype=np.float32)
+        with read_all(self._locks, self._touched(mh)):
+            table = self._tables.get(dim)
+            if table is None:
+                sub.fill(0.0)
+            else:
+                rows, found, _, _ = table.locate(mq, mh, sub)
+                table.stamps[rows[found]] = clock
+        out[miss] = sub
+        return out
+
+    def update(self, signs: np.ndarray, grads: np.ndarray) -> int:
+        """Apply one optimizer step to the rows of ``signs``; returns how many signs had no row.
+
+        A missing row (evicted, never admitted) is counted in ``gradient_id_miss``, not an error.
+        A sign repeated within one call gets the sum of its gradients in a single step (the
+        embedding worker already reduces per distinct ID, so this is the rare path).
+        """
+        q = _as_signs(signs)
+        g = _as_grads(grads, q.shape[0])
+        n, dim = g.shape
+        cfg = self._optimizer
+        if cfg is None:
+            raise RuntimeError("update before register_optimizer: the trainer registers the embedding optimizer first")
+        if n == 0:
+            return 0
+        bound = self._hp.weight_bound
+
+        def step(w, s, gr):
+            apply_step(cfg, w, s, gr, bound)
+
+        h = ix.sign_hash(q)
+        missing = folded = promoted = 0
+        changed: list[np.ndarray] = []
+        for k, sel in self._groups(h):
+            qk = q if sel is None else q[sel]
+            hk = h if sel is None else h[sel]
+            gk = g if sel is None else np.take(g, sel, axis=0)
+            with self._locks[k].write():
+                table = self._tables.get(dim)
+                if table is None:
+                    missing += qk.shape[0]
+                    continue
+                rows, hit, slots, home = table.locate(qk, hk)
+                if not hit.all():
+                    keep = np.flatnonzero(hit)
+                    missing += qk.shape[0] - keep.shape[0]
+                    rows, gk, qk, slots, home = rows[keep], np.take(gk, keep, axis=0), qk[keep], slots[keep], home[keep]
+                folded += table.apply_gradients(rows, gk, step)
+                promoted += table.promote(slots, home, rows)
+            if self._listeners and qk.shape[0]:
+                changed.append(qk)
+        self._count(update_calls=1, update_ids=n, gradient_id_miss=missing, duplicate_update_ids=folded,
+                    index_promotions=promoted)
+        if changed:
+            updated = np.concatenate(changed) if len(changed) > 1 else changed[0]
+            for fn in list(self._listeners):
+                fn(dim, updated)
+        return missing
+
+    # -- inserts, eviction, growth --------------------------------------------------------------
+    def _insert(self, dim, signs, h, clock, *, admit: bool, weights=None, state=None, state_code=None) -> int:
+        """Insert absent signs shard by shard; with ``weights``, also overwrite present rows
+        (``upsert``). Returns the number of rows written."""
+        written = 0
+        for k, sel in self._groups(h):
+            pick = (lambda a: a) if sel is None else (lambda a, sel=sel: None if a is None else a[sel])
+            written += self._insert_shard(
+                dim, k, pick(signs), pick(h), clock, admit, pick(weights), pick(state), state_code
+            )
+        return written
+
+    def _insert_shard(self, dim, k, signs, h, clock, admit, weights, state, state_code) -> int:
+        """Insert into shard ``k`` under its lock; returns rows written. Admission and capacity
+        decisions are taken once per sign: a retry after growing the table keeps them."""
+        hp = self._hp
+        written = 0
+        while True:
+            with self._locks[k].write():
+                table = self._table(dim)
+                rows, hit, _, _ = table.locate(signs, h)
+                keep_state = state is not None and state_code == table.state_code and state.shape[1] == table.state_width
+                if weights is not None and hit.any():  # upsert: overwrite what is there
+                    table.overwrite(rows[hit], weights[hit], state[hit] if keep_state else None)
+                    table.stamps[rows[hit]] = clock
+                    written += int(np.count_nonzero(hit))
+                new = np.flatnonzero(~hit)
+                if admit and hp.admit_probability < 1.0 and new.size:
+                    chosen = self._rngs[k].random(new.shape[0]) < hp.admit_probability
+                    self._count(not_admitted=int(new.shape[0] - np.count_nonzero(chosen)))
+                    new = new[chosen]
+                admit = False
+                m = new.shape[0]
+                if m:
+                    live = sum(int(t.live[k]) for t in self._tables.values())
+                    excess = live + m - self.shard_capacity
+                    if excess > 0:
+                        live -= self._evict(k, max(excess, self.evict_batch), clock)
+                        room = max(self.shard_capacity - live, 0)
+                        if m > room:  # rows of this very call fill the shard: keep what fits
+                            self._count(capacity_rejected=m - room)
+                            new, m = new[:room], room
+                if m == 0:
+                    return written
+                if table.room(k) >= m:
+                    table.insert(k, signs[new], h[new], clock, hp.init_lower, hp.init_upper,
+                                 None if weights is None else weights[new], state[new] if keep_state else None)
+                    self._count(inserted=m)
+                    return written + m
+                grow_to = int(table.high_water[k]) + m - int(table.free[k].shape[0])
+                # retry with only the rows still to insert (decisions above are final)
+                signs, h = signs[new], h[new]
+                weights = None if weights is None else weights[new]
+                state = None if state is None else state[new]
+            self._grow(dim, grow_to)
+
+    def _evict(self, k: int, goal: int, clock: int) -> int:
+        """Evict up to ``goal`` least recently used rows of shard ``k`` (caller owns the shard)."""
+        tables = list(self._tables.values())
+        stamps = [t.region_stamps(k) for t in tables]
+        victims = choose_victims(stamps, goal, clock)
+        evicted = 0
+        for table, local in zip(tables, victims):
+            if local.shape[0]:
+                table.remove(k, local)
+                evicted += local.shape[0]
+        if evicted:
+            self._count(evictions=evicted)
+        return evicted
+
+    def _grow(self, dim: int, needed_rows: int) -> None:
+        with write_all(self._locks):
+            table = self._tables.get(dim)
+            if table is None or table.R >= needed_rows:
+                return
+            cap = max(needed_rows, self.shard_capacity)
+            table.grow(min(cap, max(needed_rows, math.ceil(table.R * _GROWTH))))
+
+    # -- other row access -----------------------------------------------------------------------
+    def contains(self, signs: np.ndarray, dim: int) -> np.ndarray:
+        """Which signs have a row of ``dim`` (no recency change)."""
+        q = _as_signs(signs)
+        dim = _as_dim(dim)
+        if dim not in self._tables or q.shape[0] == 0:
+            return np.zeros(q.shape[0], dtype=bool)
+        h = ix.sign_hash(q)
+        with read_all(self._locks, self._touched(h)):
+            table = self._tables.get(dim)
+            if table is None:
+                return np.zeros(q.shape[0], dtype=bool)
+            return table.locate(q, h).hit
+
+    def read_rows(self, signs: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """``(found_signs, weights, state, state_code)`` of the present rows (incremental dumps)."""
+        q = _as_signs(signs)
+        dim = _as_dim(dim)
+        if dim not in self._tables or q.shape[0] == 0:
+            return q[:0], np.zeros((0, dim), np.float32), np.zeros((0, 0), np.float32), 0
+        h = ix.sign_hash(q)
+        with read_all(self._locks, self._touched(h)):
+            table = self._tables.get(dim)
+            if table is None:
+                return q[:0], np.zeros((0, dim), np.float32), np.zeros((0, 0), np.float32), 0
+            rows, hit, _, _ = table.locate(q, h)
+            rows = rows[hit]
+            weights, state = table.read(rows)
+            return q[hit], weights, state, table.state_code
+
+    def upsert(self, signs: np.ndarray, dim: int, weights: np.ndarray, state: np.ndarray | None = None, state_code: int | None = None) -> int:
+        """Write rows as given (insert or overwrite), evicting LRU rows if needed (inference side of
+        incremental updates). ``state`` is kept only if ``state_code`` and its width match the
+        registered optimizer's. Returns the number of rows written."""
+        q = _as_signs(signs)
+        dim = _as_dim(dim)
+        w = np.asarray(weights, dtype=np.float32)
+        if w.shape != (q.shape[0], dim):
+            raise ValueError(f"weights must have shape ({q.shape[0]}, {dim}), got {w.shape}")
+        if q.shape[0] == 0:
+            return 0
+        if np.unique(q).shape[0] != q.shape[0]:
+            raise ValueError("upsert: signs must be distinct")
+        h = ix.sign_hash(q)
+        return self._insert(dim, q, h, self._tick(), admit=False, weights=w, state=state, state_code=state_code)
+
+    # -- whole-store operations -----------------------------------------------------------------
+    def __len__(self) -> int:
+        return sum(len(t) for t in self._tables.values())
+
+    def dims(self) -> list[int]:
+        return sorted(self._tables)
+
+    def clear(self) -> None:
+        with write_all(self._locks):
+            self._tables = {}
+
+    def memory_bytes(self) -> int:
+        """Bytes of every preallocated array (the resident size once rows are written)."""
+        return sum(t.nbytes() for t in self._tables.values())
+
+    def stats(self) -> dict:
+        """Counters (monotonic) and gauges, flat and Prometheus-friendly."""
+        with self._stats_lock:
+            s = dict(self._stats)
+        out = {
+            key: int(s.get(key, 0))
+            for key in (
+                "lookup_calls", "lookup_ids", "index_miss", "inserted", "not_admitted", "capacity_rejected",
+                "evictions", "update_calls", "update_ids", "gradient_id_miss", "duplicate_update_ids",
+                "loaded_rows", "dumped_rows", "index_promotions",
+            )
+        }
+        out["index_miss_ratio"] = out["index_miss"] / out["lookup_ids"] if out["lookup_ids"] else 0.0
+        out.update(
+            rows=len(self),
+            capacity=self.capacity,
+            internal_shards=self.num_shards,
+            dims=len(self._tables),
+            memory_bytes=self.memory_bytes(),
+        )
+        return out
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def _snapshot_shard(self, k: int) -> list[tuple[DimTable, tuple]]:
+        """Copy shard ``k``'s rows of every dim; training waits for this copy only."""
+        with self._locks[k].read():
+            return [(t, t.snapshot_region(k)) for t in self._tables.values()]
+
+    def dump(self, directory: str | Path, replica_index: int, num_workers: int = 4, *, replica_size: int | None = None, fsync: bool = True) -> None:
+        """Write this replica's rows to ``directory/s<replica_index>/`` plus its done marker.
+
+        One job per internal shard on a pool of ``num_workers`` threads; each job holds its
+        shard's lock only while copying the shard, then writes the copy."""
+        rows = ckpt.dump_store(self, Path(directory), int(replica_index), int(num_workers), replica_size, fsync)
+        self._count(dumped_rows=rows)
+
+    def load(self, directory: str | Path, replica_index: int, replica_size: int, num_workers: int = 4) -> None:
+        """Replace the store's rows by a checkpoint's rows that belong to this replica.
+
+        Works whatever number of replicas wrote it (rows are re-sharded with
+        ``shard_of(sign, replica_size)``). Every file is validated, and the new tables are built
+        beside the current ones, before anything changes: a refused checkpoint leaves the store as
+        it was. Peak memory is the current tables plus the new ones."""
+        if not 0 <= int(replica_index) < int(replica_size):
+            raise ValueError(f"replica_index {replica_index} is not in [0, replica_size={replica_size})")
+        files = ckpt.open_checkpoint(Path(directory), int(replica_index), int(replica_size), int(num_workers))
+        try:
+            total = sum(f.rows for f in files)
+            if total > self.capacity:
+                raise ValueError(
+                    f"checkpoint {directory} holds {total} rows for replica {replica_index}/{replica_size}, "
+                    f"more than this PS's capacity of {self.capacity} rows"
+                )
+            tables = self._build_tables(files, max(1, int(num_workers)))
+        finally:
+            for f in files:
+                f.close()
+        with write_all(self._locks):
+            self._tables = tables
+        self._count(loaded_rows=total)
+
+    def _build_tables(self, files: list, num_workers: int) -> dict[int, DimTable]:
+        stamp = self._tick()
+        cfg = self._optimizer
+        by_dim: dict[int, list] = {}
+        for f in files:
+            by_dim.setdefault(f.header.dim, []).append(f)
+        tables: dict[int, DimTable] = {}
+        with ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="ps-build") as pool:
+            for dim, group in by_dim.items():
+                code, width = group[0].header.state_code, group[0].header.state_width
+                parts = [f.part() for f in group]
+                if cfg is not None and (code, width) != (optimizer_code(cfg), state_width(cfg, dim)):
+                    log.warning(
+                        "checkpoint rows of dim %d carry state of optimizer code %d (width %d); the registered "
+                        "optimizer differs, so their state starts from its initial value", dim, code, width,
+                    )
+                    code, width = optimizer_code(cfg), state_width(cfg, dim)
+                    parts = [(s, w, np.full((s.shape[0], width), initial_state_value(cfg), np.float32)) for s, w, _ in parts]
+                init = initial_state_value(cfg) if cfg is not None else 0.0
+                table = DimTable.from_parts(dim, self.num_shards, parts, width, init, self.shard_capacity, stamp, pool)
+                table.state_code = code
+                tables[dim] = table
+        return tables
