@@ -76,6 +76,15 @@ def _python() -> str:
     return sys.executable
 
 
+def _script_argv(path: str, role: str) -> list[str]:
+    """``python script``, or under cProfile when ``PERSIA_PROFILE_DIR`` is set (one file per role)."""
+    prof_dir = os.environ.get("PERSIA_PROFILE_DIR")
+    if not prof_dir:
+        return [_python(), path]
+    os.makedirs(prof_dir, exist_ok=True)
+    return [_python(), "-m", "cProfile", "-o", os.path.join(prof_dir, f"{role}.prof"), path]
+
+
 _rendezvous_keepalive: list = []
 
 
@@ -112,7 +121,7 @@ def run_nn_worker(args) -> int:
             LOCAL_WORLD_SIZE=str(args.nproc_per_node),
             NPROC_PER_NODE=str(args.nproc_per_node),
         )
-        procs.append(subprocess.Popen([_python(), path], env=env))
+        procs.append(subprocess.Popen(_script_argv(path, f"nn-worker-{env['RANK']}"), env=env))
     return _supervise(procs)
 
 
@@ -153,9 +162,10 @@ def run_data_loader(args) -> int:
     args.replica_index = _rendezvous_index("dl", args.replica_index, args.replica_size)
     _check_replica(args.replica_index, args.replica_size, "data loader")
     env = dict(os.environ, REPLICA_INDEX=str(args.replica_index), REPLICA_SIZE=str(args.replica_size))
+    argv = _script_argv(path, f"data-loader-{args.replica_index}")
     if _rendezvous_keepalive:  # keep renewing the lease: supervise instead of exec
-        return _supervise([subprocess.Popen([_python(), path], env=env)])
-    os.execve(_python(), [_python(), path], env)
+        return _supervise([subprocess.Popen(argv, env=env)])
+    os.execve(argv[0], argv, env)
     return 0  # not reached
 
 
@@ -175,11 +185,21 @@ def _serve_forever(role: str, start) -> int:
         bus_holder.append(bus)
         return bus
 
+    profiler = None
+    if os.environ.get("PERSIA_PROFILE_DIR"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     server = start(make_bus)
     start_exporter()
     stop.wait()
     log.info("%s shutting down", role)
     server.stop()
+    if profiler is not None:
+        profiler.disable()
+        os.makedirs(os.environ["PERSIA_PROFILE_DIR"], exist_ok=True)
+        profiler.dump_stats(os.path.join(os.environ["PERSIA_PROFILE_DIR"], f"{role}.prof"))
     for bus in bus_holder:
         bus.close()
     return 0

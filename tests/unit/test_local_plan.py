@@ -30,10 +30,12 @@ def test_plan_starts_every_role_with_its_replica_env(tmp_path):
 
 
 def test_thread_budget_never_oversubscribes():
-    assert thread_budget(2, 1) == 2
+    assert thread_budget(1, 1) == 1
+    assert thread_budget(2, 1) == 1  # one core stays free for the PS, workers and loaders
     assert thread_budget(2, 2) == 1
     assert thread_budget(2, 4) == 1
-    assert thread_budget(16, 4) == 4
+    assert thread_budget(16, 1) == 12
+    assert thread_budget(16, 4) == 3
 
 
 def test_plan_rejects_bad_counts_and_missing_files(tmp_path):
