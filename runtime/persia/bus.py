@@ -26,6 +26,7 @@ from persia.wire.codec import decode, encode
 log = logging.getLogger(__name__)
 
 DEFAULT_NATS_URL = "nats://persia_nats_service:4222"
+BUSY_MAX_BACKOFF = 0.02
 BUSY = object()
 """Return this from a handler to answer "busy, retry later"."""
 
@@ -126,12 +127,15 @@ class NatsBus:
                 last = exc
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
                 last = exc
-            if time.monotonic() + backoff > end:
+            # A busy peer has usually already held the request for a while (long poll), so the
+            # retry comes soon; a missing peer (not started yet) is polled more slowly.
+            wait = min(backoff, BUSY_MAX_BACKOFF) if isinstance(last, BusyError) else backoff
+            if time.monotonic() + wait > end:
                 kind = "busy" if isinstance(last, BusyError) else type(last).__name__
                 raise BusyError(
                     f"{what or subj}: no successful reply within {deadline_s:.0f}s (last: {kind})"
                 ) from last
-            time.sleep(backoff)
+            time.sleep(wait)
             backoff = min(max_backoff, backoff * 2)
 
     def publish(self, subj: str, obj: Any) -> None:
