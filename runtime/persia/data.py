@@ -254,6 +254,57 @@ class DataLoader:
         raise TypeError("a streaming DataLoader has no length")
 
 
+class Lookahead:
+    """How many batches to look up ahead of training: just enough to hide the lookup latency.
+
+    The staleness bound caps how far ahead lookups *may* run; looking up earlier than needed
+    only makes every embedding older when it is trained on (on the synthetic CTR benchmark,
+    AUC fell by 0.009 at staleness 10 against 0.0006 at staleness 2, at the same speed once the
+    lookup latency was hidden). So the dispatcher keeps ``ceil(lookup_time / step_time) + 1``
+    batches in flight, measured as it goes (EMAs), between 1 and ``limit``.
+    """
+
+    def __init__(self, limit: int, alpha: float = 0.2):
+        self.limit = max(1, limit)
+        self.alpha = alpha
+        self.lookup_s: float | None = None
+        self.step_s: float | None = None
+        self.outstanding = 0
+        self._cond = threading.Condition()
+
+    @staticmethod
+    def depth(lookup_s: float | None, step_s: float | None, limit: int) -> int:
+        if lookup_s is None or step_s is None:
+            return limit  # nothing measured yet: fill the pipeline
+        return max(1, min(limit, int(np.ceil(lookup_s / max(step_s, 1e-6))) + 1))
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def record_lookup(self, seconds: float) -> None:
+        with self._cond:
+            self.lookup_s = self._ema(self.lookup_s, seconds)
+
+    def record_step(self, seconds: float) -> None:
+        with self._cond:
+            self.step_s = self._ema(self.step_s, seconds)
+            self._cond.notify_all()
+
+    def acquire(self, stop: threading.Event) -> bool:
+        with self._cond:
+            while self.outstanding >= self.depth(self.lookup_s, self.step_s, self.limit):
+                if stop.is_set():
+                    return False
+                self._cond.wait(0.1)
+            self.outstanding += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self.outstanding = max(0, self.outstanding - 1)
+            self._cond.notify_all()
+
+
 class _LoaderIterator:
     def __init__(self, loader: DataLoader, ctx):
         self.loader = loader
@@ -270,6 +321,9 @@ class _LoaderIterator:
             else None
         )
         ctx._attach_permits(self._permits)
+        # Just-in-time lookups for training streams; eval/infer datasets prefetch freely.
+        self._lookahead = Lookahead(loader.forward_buffer_size) if (train and self.streaming) else None
+        self._last_next: float | None = None
         self._thread = threading.Thread(target=self._dispatch, name="persia-dispatch", daemon=True)
         self._thread.start()
 
@@ -296,11 +350,14 @@ class _LoaderIterator:
                     self._release_unlooked(item)
                     continue
                 if isinstance(item, dict):
+                    if self._lookahead is not None and not self._lookahead.acquire(self._stop):
+                        self._release_unlooked(item)
+                        continue
                     holds_permit = self._permits is not None and bool(item.get("requires_grad", True))
                     if holds_permit and not self._acquire_permit():
                         self._release_unlooked(item)
                         continue
-                    fut = self._pool.submit(self.ctx._lookup_message, item, holds_permit)
+                    fut = self._pool.submit(self._timed_lookup, item, holds_permit)
                 else:
                     fut = self._pool.submit(self.ctx._lookup_batch, item)
                 self._put(fut)
@@ -310,6 +367,13 @@ class _LoaderIterator:
             self._put(failed, force=True)
             return
         self._put(_END, force=True)
+
+    def _timed_lookup(self, item: dict, holds_permit: bool) -> PersiaTrainingBatch:
+        t0 = time.perf_counter()
+        batch = self.ctx._lookup_message(item, holds_permit)
+        if self._lookahead is not None:
+            self._lookahead.record_lookup(time.perf_counter() - t0)
+        return batch
 
     def _put(self, item: Any, force: bool = False) -> None:
         while True:
@@ -337,7 +401,13 @@ class _LoaderIterator:
     def __next__(self) -> PersiaTrainingBatch:
         if self._done:
             raise StopIteration
+        now = time.perf_counter()
+        if self._lookahead is not None and self._last_next is not None:
+            self._lookahead.record_step(now - self._last_next)  # the training step just done
         item = self._next_item()
+        self._last_next = time.perf_counter()
+        if self._lookahead is not None and item is not _END:
+            self._lookahead.release()
         if self.ctx._needs_rank_agreement(self.streaming):
             have = 0 if item is _END else 1
             if not self.ctx._all_ranks_have(have):

@@ -18,3 +18,32 @@ def test_reordered_stream_is_sorted_even_when_ids_are_missing():
     shuffled.remove(10)  # a loader ended early: id 10 never comes
     out = [m["batch_id"] for m in _reordered(iter([{"batch_id": i} for i in shuffled]), 0, 2)]
     assert out == sorted(shuffled)
+
+
+def test_lookahead_depth_hides_latency_and_respects_the_limit():
+    from persia.data import Lookahead
+
+    assert Lookahead.depth(None, None, 10) == 10  # nothing measured: fill the pipeline
+    assert Lookahead.depth(0.005, 0.050, 10) == 2  # lookups 10x faster than steps: one ahead
+    assert Lookahead.depth(0.030, 0.010, 10) == 4
+    assert Lookahead.depth(1.0, 0.001, 10) == 10
+    assert Lookahead.depth(0.0, 0.01, 1) == 1
+
+
+def test_lookahead_blocks_until_a_batch_is_consumed():
+    import threading
+
+    from persia.data import Lookahead
+
+    la = Lookahead(limit=4)
+    la.record_lookup(0.001)
+    la.record_step(0.1)  # depth 2
+    stop = threading.Event()
+    assert la.acquire(stop) and la.acquire(stop)
+    third = threading.Thread(target=la.acquire, args=(stop,), daemon=True)
+    third.start()
+    third.join(0.3)
+    assert third.is_alive()  # a third lookup would only make embeddings staler
+    la.release()
+    third.join(5)
+    assert not third.is_alive() and la.outstanding == 2
