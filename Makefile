@@ -35,13 +35,21 @@ crds: $(STAMP)
 	$(PY) -m persia_operator.crdgen > crds/persiajobs.persia.com.yaml
 	cp crds/persiajobs.persia.com.yaml charts/persia-operator/crds/persiajobs.persia.com.yaml
 
+# The TorchRec peer baseline (CPU): --no-deps, or pip pulls the CUDA fbgemm; newer fbgemm builds
+# do not load with torch 2.13.0. Without it the benchmark skips TorchRec with a note.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	-$(PY) -m pip install --quiet --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0 && \
+	  $(PY) -m pip install --quiet tensordict torchmetrics==1.0.3 tqdm pyre-extensions
+	touch $(BENCH_STAMP)
+
 bench-ps: $(STAMP)
 	$(PY) bench/ps_bench.py
 
 bench-smoke: $(STAMP)
 	$(PY) -m bench.e2e_bench --smoke
 
-bench: $(STAMP) bench-ps
+bench: $(BENCH_STAMP) bench-ps
 	$(PY) -m bench.e2e_bench
 
 lint: $(STAMP)

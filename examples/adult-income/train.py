@@ -55,8 +55,8 @@ def test(model: torch.nn.Module) -> dict:
 if __name__ == "__main__":
     setup_seed(3)
     model = DNN()
-    dense_optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    embedding_optimizer = Adagrad(lr=1e-2)
+    dense_optimizer = torch.optim.SGD(model.parameters(), lr=float(os.environ.get("DENSE_LR", 0.1)))
+    embedding_optimizer = Adagrad(lr=float(os.environ.get("EMBEDDING_LR", 1e-2)))
     loss_fn = torch.nn.BCELoss()
     with TrainCtx(
         model=model,

@@ -83,6 +83,8 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
         PERSIA_BIND_HOST="127.0.0.1",
         PERSIA_EMBEDDING_CONFIG=os.path.abspath(args.embedding_config),
         OMP_NUM_THREADS="1",
+        # OpenMP threads that spin while waiting steal the core another role needs right then.
+        OMP_WAIT_POLICY="PASSIVE",
         MKL_NUM_THREADS="1",
         OPENBLAS_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",

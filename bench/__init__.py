@@ -1,0 +1,1 @@
+"""End-to-end benchmarks: our system in local mode against single-process baselines, same data."""

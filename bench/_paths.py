@@ -1,0 +1,44 @@
+"""Where things are, relative to this file (no machine paths), and how child runs find the code."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE_DIR = REPO_ROOT / "examples" / "synthetic-ctr"
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+DOCS_DIR = REPO_ROOT / "docs"
+
+
+def ensure_example_importable() -> None:
+    """Make ``import synthetic_ctr`` work (the package lives beside the PERSIA example scripts)."""
+    path = str(EXAMPLE_DIR)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+# Same for every system. OpenMP's default spin-waiting makes a 2-thread torch process several
+# times slower as soon as another process wants a core (measured here: 4-7k instead of 20k
+# samples/s); passive waiting keeps it close to 1 thread under load.
+RUN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for a benchmark subprocess: repo root and the example on PYTHONPATH, RUN_ENV
+    unless the caller's environment already sets those variables."""
+    env = dict(os.environ)
+    for key, value in RUN_ENV.items():
+        env.setdefault(key, value)
+    parts = [str(REPO_ROOT), str(EXAMPLE_DIR)]
+    if env.get("PYTHONPATH"):
+        parts.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if extra:
+        env.update(extra)
+    return env
+
+
+ensure_example_importable()

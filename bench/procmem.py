@@ -1,0 +1,135 @@
+"""Peak memory per role of a process tree, sampled from /proc (Linux, stdlib only).
+
+Each process's ``VmHWM`` is its own resident high-water mark, so a sample taken late still sees an
+earlier peak; only growth in the last sampling interval before a process exits can be missed.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def classify_role(argv: list[str]) -> str:
+    """Role of a process from its command line (pure; see tests/bench/test_procmem.py)."""
+    words = [os.path.basename(a) for a in argv]
+    joined = " ".join(words)
+    if "persia-launcher" in joined and "local" in words:
+        return "launcher"
+    if any(w.startswith("nats-server") for w in words):
+        return "nats"
+    for key, role in (
+        ("embedding-parameter-server", "ps"),
+        ("parameter-server", "ps"),
+        ("embedding-worker", "embedding-worker"),
+        ("nn-worker", "nn-worker"),
+        ("data-loader", "data-loader"),
+        ("data_loader.py", "data-loader"),
+        ("train.py", "nn-worker"),
+        ("bench.torch_baseline", "trainer"),
+        ("bench.torchrec_baseline", "trainer"),
+    ):
+        if key in joined:
+            return role
+    return "other"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _ppid_pgid(pid: int) -> tuple[int, int] | None:
+    stat = _read(PROC / str(pid) / "stat")
+    if stat is None:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[1]), int(fields[2])
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process whose parent chain or process group leads to it."""
+    parents: dict[int, int] = {}
+    tree = {root}
+    for entry in PROC.iterdir():
+        if entry.name.isdigit():
+            info = _ppid_pgid(int(entry.name))
+            if info is not None:
+                parents[int(entry.name)] = info[0]
+                if info[1] == root:
+                    tree.add(int(entry.name))
+    changed = True
+    while changed:
+        changed = False
+        for pid, ppid in parents.items():
+            if ppid in tree and pid not in tree:
+                tree.add(pid)
+                changed = True
+    return sorted(tree)
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    status = _read(PROC / str(pid) / "status")
+    if status is None:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024.0
+    return None
+
+
+def cmdline(pid: int) -> list[str]:
+    raw = _read(PROC / str(pid) / "cmdline")
+    return [a for a in (raw or "").split("\0") if a]
+
+
+def summarize(peaks: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """(role, peak MB per process) pairs -> per role: the largest process, the sum and the count."""
+    out: dict[str, dict[str, float]] = {}
+    for role, mb in peaks:
+        r = out.setdefault(role, {"max_mb": 0.0, "sum_mb": 0.0, "processes": 0})
+        r["max_mb"] = max(r["max_mb"], mb)
+        r["sum_mb"] += mb
+        r["processes"] += 1
+    return out
+
+
+class PeakMemorySampler:
+    """Polls a process tree in a thread until ``stop()``; ``result()`` gives per-role peaks."""
+
+    def __init__(self, root_pid: int, interval_s: float = 0.2):
+        self.root, self.interval = root_pid, interval_s
+        self._peaks: dict[int, tuple[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def start(self) -> PeakMemorySampler:
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        for pid in descendants(self.root):
+            mb = peak_rss_mb(pid)
+            if mb is None:
+                continue
+            role = self._peaks[pid][0] if pid in self._peaks else classify_role(cmdline(pid))
+            self._peaks[pid] = (role, max(mb, self._peaks.get(pid, ("", 0.0))[1]))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self.interval)
+
+    def stop(self) -> dict[str, dict[str, float]]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        return self.result()
+
+    def result(self) -> dict[str, dict[str, float]]:
+        return summarize(self._peaks.values())

@@ -1,0 +1,39 @@
+"""What one benchmark run is: the system, the data, the model and the knobs every system shares."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+System = Literal["torch", "torchrec", "persia-hybrid", "persia-sync"]
+
+
+class RunSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    system: System
+    data_dir: str
+    mlp: str = "mlp400"
+    batch_size: int = Field(default=1024, ge=1, le=65535)
+    seed: int = Field(default=0, ge=0)
+    threads: int = Field(default=2, ge=1)
+    train_rows: int | None = Field(default=None, ge=1)
+    eval_points: int = Field(default=4, ge=1)
+    test_rows: int | None = Field(default=None, ge=1)
+    curve_eval_rows: int = Field(default=20000, ge=1)
+    dense_optimizer: Literal["adam", "sgd"] = "adam"
+    dense_lr: float | None = None
+    embedding_lr: float = 1e-2
+    # our system only
+    staleness: int | None = Field(default=None, ge=1)
+    num_ps: int = Field(default=1, ge=1)
+    num_embedding_workers: int = Field(default=1, ge=1)
+    timeout_s: float = Field(default=600.0, gt=0)
+
+    @property
+    def label(self) -> str:
+        """Short name of the configuration (what the median groups by: everything but the seed)."""
+        if self.system.startswith("persia"):
+            return f"{self.system} ps={self.num_ps} ew={self.num_embedding_workers}"
+        return f"{self.system} threads={self.threads}"

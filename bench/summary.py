@@ -1,0 +1,191 @@
+"""Pure aggregation of benchmark runs: medians, AUC means over seeds, gaps, ratios, targets."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+BASELINE = "torch"  # the system; its fastest thread count (median samples/s) is the baseline
+HYBRID = "persia-hybrid ps=1 ew=1"
+SYNC = "persia-sync ps=1 ew=1"
+NOT_MEASURED = "not yet measured"
+
+TARGETS = {
+    "ratio_mlp400": (">=", 0.6, "hybrid / baseline samples/s, MLP 400-400-400"),
+    "ratio_ffnn": (">=", 0.9, "hybrid / baseline samples/s, FFNN 4096-2048-1024-512-256"),
+    "abs_auc_gap_hybrid_sync": ("<=", 0.001, "|AUC(hybrid) - AUC(sync)|, mean over seeds, MLP 400"),
+    "adult_auc": (">=", 0.90, "adult-income test AUC (PERSIA published 0.8928)"),
+}
+PERSIA_ADULT_AUC = 0.8928
+
+
+def _ok(run: dict[str, Any]) -> bool:
+    return run.get("status") == "ok" and isinstance(run.get("result"), dict)
+
+
+def _run_memory(run: dict[str, Any]) -> dict[str, float]:
+    """Peak MB per role: the sampler's per-process maxima, or the trainer's own ru_maxrss figure
+    when it reported one (exact where sampling could miss the last moments)."""
+    out = {role: float(v["max_mb"]) for role, v in (run.get("memory") or {}).items() if role != "other"}
+    for role, mb in ((run.get("result") or {}).get("peak_rss_mb") or {}).items():
+        if mb is not None:
+            out[role] = max(out.get(role, 0.0), float(mb))
+    return out
+
+
+def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (mlp, label) in first-seen order."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["mlp"], run["label"]), []).append(run)
+    out = []
+    for (mlp, label), group in groups.items():
+        ok = [r for r in group if _ok(r)]
+        sps = [r["result"]["samples_per_sec"] for r in ok if r["result"].get("samples_per_sec")]
+        auc_by_seed = {r["seed"]: r["result"]["auc"] for r in ok if r["result"].get("auc") is not None}
+        aucs = list(auc_by_seed.values())
+        memory: dict[str, float] = {}
+        for r in ok:
+            for role, mb in _run_memory(r).items():
+                memory[role] = max(memory.get(role, 0.0), mb)
+        reasons = sorted({r.get("reason", "") for r in group if not _ok(r) and r.get("reason")})
+        out.append(
+            {
+                "mlp": mlp,
+                "label": label,
+                "system": group[0]["spec"]["system"] if group[0].get("spec") else label,
+                "runs": len(group),
+                "ok_runs": len(ok),
+                "sps_median": statistics.median(sps) if sps else None,
+                "sps_min": min(sps) if sps else None,
+                "sps_max": max(sps) if sps else None,
+                "sps_all": sps,
+                "auc_by_seed": auc_by_seed,
+                "auc_mean": statistics.fmean(aucs) if aucs else None,
+                "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else None,
+                "wall_median": statistics.median([r["wall_seconds"] for r in ok]) if ok else None,
+                "max_load": max((r["loadavg_end"] for r in ok if r.get("loadavg_end") is not None), default=None),
+                "train_samples": ok[0]["result"].get("train_samples") if ok else None,
+                "threads": ok[0]["result"].get("threads") if ok else None,
+                "curve": mean_curve([r["result"].get("auc_curve") or [] for r in ok]),
+                "memory_mb": memory,
+                "reasons": reasons,
+            }
+        )
+    return out
+
+
+def mean_curve(curves: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Point-wise mean of AUC curves (point k of every run), over the runs that have point k."""
+    if not curves:
+        return []
+    out = []
+    for k in range(max(len(c) for c in curves)):
+        pts = [c[k] for c in curves if len(c) > k and c[k].get("auc") is not None]
+        if pts:
+            out.append(
+                {
+                    "samples": statistics.fmean(p["samples"] for p in pts),
+                    "auc": statistics.fmean(p["auc"] for p in pts),
+                }
+            )
+    return out
+
+
+def find(summary: list[dict[str, Any]], mlp: str, label: str) -> dict[str, Any] | None:
+    return next((s for s in summary if s["mlp"] == mlp and s["label"] == label), None)
+
+
+def baseline(summary: list[dict[str, Any]], mlp: str) -> dict[str, Any] | None:
+    """The single-process torch configuration with the highest median throughput for ``mlp``
+    (the strongest baseline this machine gave); the first one if none has a figure."""
+    cands = [s for s in summary if s["mlp"] == mlp and s["system"] == BASELINE]
+    measured = [s for s in cands if s["sps_median"]]
+    if measured:
+        return max(measured, key=lambda s: s["sps_median"])
+    return cands[0] if cands else None
+
+
+def paired_gap(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    """Mean over the seeds both have of AUC(a) - AUC(b)."""
+    if not a or not b:
+        return None
+    seeds = sorted(set(a["auc_by_seed"]) & set(b["auc_by_seed"]))
+    if not seeds:
+        return None
+    return statistics.fmean(a["auc_by_seed"][s] - b["auc_by_seed"][s] for s in seeds)
+
+
+def ratio(num: dict[str, Any] | None, den: dict[str, Any] | None) -> float | None:
+    if not num or not den or not num["sps_median"] or not den["sps_median"]:
+        return None
+    return num["sps_median"] / den["sps_median"]
+
+
+def _missing(deps: list[tuple[str, dict[str, Any] | None, str]]) -> str:
+    """Why a figure is null: the first configuration it needs that has no value for ``field``."""
+    for what, entry, field in deps:
+        if entry is None:
+            return f"{NOT_MEASURED}: no {what} run in this profile"
+        if entry[field] is None:
+            if entry["reasons"]:
+                reason = entry["reasons"][0]
+                return reason if reason.startswith(NOT_MEASURED) else f"{what}: {reason}"
+            return f"{NOT_MEASURED}: {what} gave no {field}"
+    return f"{NOT_MEASURED}"
+
+
+def headline(summary: list[dict[str, Any]], adult: dict[str, Any] | None) -> dict[str, Any]:
+    """The figures for bench/results/e2e.json; every null has its reason under ``notes``."""
+    get = {
+        (mlp, name): find(summary, mlp, label)
+        for mlp in ("mlp400", "ffnn")
+        for name, label in (("hybrid", HYBRID), ("sync", SYNC))
+    }
+    for mlp in ("mlp400", "ffnn"):
+        get[mlp, "baseline"] = baseline(summary, mlp)
+        get[mlp, "torchrec"] = next((s for s in summary if s["mlp"] == mlp and s["system"] == "torchrec"), None)
+    b4, h4, s4 = get["mlp400", "baseline"], get["mlp400", "hybrid"], get["mlp400", "sync"]
+    bF, hF, t4 = get["ffnn", "baseline"], get["ffnn", "hybrid"], get["mlp400", "torchrec"]
+    sps, auc = "sps_median", "auc_mean"
+    adult = adult or {}
+    figures: dict[str, tuple[Any, list[tuple[str, dict[str, Any] | None, str]]]] = {
+        "ratio_mlp400": (ratio(h4, b4), [(HYBRID, h4, sps), (BASELINE, b4, sps)]),
+        "ratio_ffnn": (ratio(hF, bF), [(f"ffnn {HYBRID}", hF, sps), (f"ffnn {BASELINE}", bF, sps)]),
+        "auc_gap_hybrid_sync": (paired_gap(h4, s4), [(HYBRID, h4, auc), (SYNC, s4, auc)]),
+        "adult_auc": ((adult.get("result") or {}).get("auc") if adult.get("status") == "ok" else None, []),
+        "baseline_sps_mlp400": (b4[sps] if b4 else None, [(BASELINE, b4, sps)]),
+        "hybrid_sps_mlp400": (h4[sps] if h4 else None, [(HYBRID, h4, sps)]),
+        "auc_gap_baseline_sync": (paired_gap(b4, s4), [(BASELINE, b4, auc), (SYNC, s4, auc)]),
+        "baseline_sps_ffnn": (bF[sps] if bF else None, [(f"ffnn {BASELINE}", bF, sps)]),
+        "hybrid_sps_ffnn": (hF[sps] if hF else None, [(f"ffnn {HYBRID}", hF, sps)]),
+        "torchrec_sps_mlp400": (t4[sps] if t4 else None, [("torchrec", t4, sps)]),
+        "baseline_auc_mlp400": (b4[auc] if b4 else None, [(BASELINE, b4, auc)]),
+        "hybrid_auc_mlp400": (h4[auc] if h4 else None, [(HYBRID, h4, auc)]),
+        "sync_auc_mlp400": (s4[auc] if s4 else None, [(SYNC, s4, auc)]),
+    }
+    h: dict[str, Any] = {key: value for key, (value, _) in figures.items()}
+    h["baseline_mlp400"] = b4["label"] if b4 else None
+    h["baseline_ffnn"] = bF["label"] if bF else None
+    notes: dict[str, str] = {}
+    for key, (value, deps) in figures.items():
+        if value is None:
+            if key == "adult_auc":
+                notes[key] = adult.get("reason") or f"{NOT_MEASURED}: adult-income did not run"
+            else:
+                notes[key] = _missing(deps)
+    h["targets"] = check_targets(h)
+    h["notes"] = notes
+    return h
+
+
+def check_targets(h: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    values = dict(h)
+    gap = h.get("auc_gap_hybrid_sync")
+    values["abs_auc_gap_hybrid_sync"] = abs(gap) if gap is not None else None
+    out = {}
+    for key, (op, bound, what) in TARGETS.items():
+        v = values.get(key)
+        passed = None if v is None else (v >= bound if op == ">=" else v <= bound)
+        out[key] = {"what": what, "target": f"{op} {bound}", "value": v, "passed": passed}
+    return out

@@ -1,0 +1,120 @@
+"""Single-process PyTorch baseline: one fused ``nn.EmbeddingBag`` over all 26 slots (slot ``s`` owns
+rows ``[offset_s, offset_s + V_s]``, IDs mapped to rows through the training vocabulary), the shared
+dense tower, PERSIA-exact sparse Adagrad for the embeddings and a torch optimizer for the dense part.
+
+Run: ``python -m bench.torch_baseline --spec '{"system": "torch", "data_dir": ...}'``; prints one
+``PERSIA_RESULT {json}`` line (the same contract as our system's trainer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bench import _paths  # noqa: F401
+from bench.spec import RunSpec
+from bench.trainloop import run_training
+from synthetic_ctr.model import EMBEDDING_DIM, CTRTower, parse_hidden
+from synthetic_ctr.reader import Batch, VocabIndex, load_vocab
+from synthetic_ctr.results import format_result_line
+from synthetic_ctr.schema import NUM_SLOTS
+from synthetic_ctr.training import (
+    EMBEDDING_INIT,
+    EMBEDDING_WEIGHT_BOUND,
+    make_dense_optimizer,
+)
+
+
+class PersiaAdagrad(torch.optim.Optimizer):
+    """PERSIA's server-side Adagrad on sparse row gradients, exactly (``rust/persia-common/src/optim.rs``):
+    ``w -= lr * g / sqrt(s + eps)`` with the *old* accumulator ``s`` (initialised to
+    ``initial_accumulator_value``), then ``s += g**2``, then clip ``w`` to ``[-bound, bound]``.
+    ``torch.optim.Adagrad`` divides by ``sqrt(s_new) + eps`` instead, hence this class."""
+
+    def __init__(self, params, lr=1e-2, initial_accumulator_value=1e-2, eps=1e-10, weight_bound=EMBEDDING_WEIGHT_BOUND):
+        super().__init__(params, dict(lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps, weight_bound=weight_bound))
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["sum"] = torch.full_like(p, group["initial_accumulator_value"], memory_format=torch.preserve_format)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if not grad.is_sparse:
+                    raise ValueError("PersiaAdagrad expects sparse gradients (EmbeddingBag(sparse=True))")
+                grad = grad.coalesce()
+                rows, values = grad.indices()[0], grad.values()
+                acc = self.state[p]["sum"]
+                old = acc.index_select(0, rows)
+                new_w = p.index_select(0, rows).addcdiv_(values, old.add(group["eps"]).sqrt_(), value=-group["lr"])
+                if group["weight_bound"] > 0:
+                    new_w.clamp_(-group["weight_bound"], group["weight_bound"])
+                p.index_copy_(0, rows, new_w)
+                acc.index_copy_(0, rows, old.addcmul_(values, values))
+        return None
+
+
+class FusedEmbeddingModel(nn.Module):
+    def __init__(self, num_rows: int, hidden: tuple[int, ...], oov_rows: np.ndarray):
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(num_rows, EMBEDDING_DIM, mode="sum", sparse=True)
+        with torch.no_grad():
+            self.embedding.weight.uniform_(*EMBEDDING_INIT)
+            self.embedding.weight[torch.from_numpy(oov_rows)] = 0.0  # unseen IDs look up zeros, as in PERSIA
+        self.tower = CTRTower(hidden)
+
+    def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        bs = rows.shape[0]
+        flat = rows.reshape(-1)
+        offsets = torch.arange(0, flat.numel(), dtype=torch.int64)  # one ID per (sample, slot) bag
+        pooled = self.embedding(flat, offsets).reshape(bs, NUM_SLOTS * EMBEDDING_DIM)
+        return self.tower.forward_flat(dense, pooled)
+
+
+class TorchBaseline:
+    def __init__(self, spec: RunSpec):
+        self.index = VocabIndex(load_vocab(spec.data_dir))
+        self.model = FusedEmbeddingModel(self.index.num_rows, parse_hidden(spec.mlp), self.index.oov_rows)
+        self.sparse_opt = PersiaAdagrad([self.model.embedding.weight], lr=spec.embedding_lr)
+        self.dense_opt = make_dense_optimizer(self.model.tower.parameters(), spec.dense_optimizer, spec.dense_lr)
+
+    def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.from_numpy(batch.dense), torch.from_numpy(self.index.rows(batch.ids))
+
+    def train_step(self, batch: Batch) -> float:
+        dense, rows = self._tensors(batch)
+        prob = self.model(dense, rows)
+        loss = F.binary_cross_entropy(prob, torch.from_numpy(batch.label))
+        self.sparse_opt.zero_grad(set_to_none=True)
+        self.dense_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        self.sparse_opt.step()
+        self.dense_opt.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> np.ndarray:
+        dense, rows = self._tensors(batch)
+        return self.model(dense, rows).numpy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--spec", required=True, help="RunSpec as JSON")
+    spec = RunSpec.model_validate_json(p.parse_args(argv).spec)
+    result = run_training(spec, TorchBaseline, extra={"embedding_optimizer": "PersiaAdagrad (exact)"})
+    print(format_result_line(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

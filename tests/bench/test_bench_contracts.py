@@ -1,0 +1,98 @@
+"""The small contracts between the pieces: result line, example settings, launcher command."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.e2e_bench import command_for
+from bench.persia_local import example_settings, launcher_argv, staleness_of, synthetic_command
+from bench.spec import RunSpec
+from synthetic_ctr.results import format_result_line, parse_result_line
+from synthetic_ctr.settings import ENV_NAMES, ExampleSettings
+
+
+def test_result_line_round_trips_and_survives_log_prefixes():
+    line = format_result_line({"auc": 0.8, "samples_per_sec": 1234.5, "auc_curve": [{"samples": 10, "auc": math.nan}]})
+    out = "noise\n[nn] " + line + "\n[local] done\n"
+    got = parse_result_line(out)
+    assert got["auc"] == 0.8 and got["samples_per_sec"] == 1234.5
+    assert got["auc_curve"][0]["auc"] is None  # NaN is not JSON; it becomes null
+
+
+def test_last_result_line_wins_and_bad_lines_are_errors():
+    out = format_result_line({"auc": 0.1}) + "\n" + format_result_line({"auc": 0.2})
+    assert parse_result_line(out)["auc"] == 0.2
+    with pytest.raises(ValueError, match="no PERSIA_RESULT"):
+        parse_result_line("nothing here")
+    with pytest.raises(ValueError, match="malformed"):
+        parse_result_line("PERSIA_RESULT {not json")
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_result_line("PERSIA_RESULT [1, 2]")
+
+
+def test_settings_round_trip_through_the_environment():
+    s = ExampleSettings(data_dir="d", mlp="ffnn", batch_size=512, train_rows=99, staleness=1, reproducible=True, dense_lr=0.5)
+    env = s.to_env()
+    assert env["EMBEDDING_STALENESS"] == "1" and env["REPRODUCIBLE"] == "1"
+    assert "SYNTHETIC_CTR_TEST_ROWS" not in env  # None is left out, so the default applies
+    assert ExampleSettings.from_env(env) == s
+
+
+def test_settings_errors_name_the_variable():
+    with pytest.raises(ValueError, match="SYNTHETIC_CTR_DATA"):
+        ExampleSettings.from_env({})
+    with pytest.raises(ValueError, match="SYNTHETIC_CTR_BATCH_SIZE='0'"):
+        ExampleSettings.from_env({ENV_NAMES["data_dir"]: "d", ENV_NAMES["batch_size"]: "0"})
+    with pytest.raises(ValueError, match="EMBEDDING_STALENESS='soon'"):
+        ExampleSettings.from_env({ENV_NAMES["data_dir"]: "d", "EMBEDDING_STALENESS": "soon"})
+
+
+def test_sync_reference_runs_at_staleness_one_and_hybrid_at_ten_by_default():
+    sync = RunSpec(system="persia-sync", data_dir="d", staleness=7)
+    hybrid = RunSpec(system="persia-hybrid", data_dir="d")
+    assert staleness_of(sync) == 1 and staleness_of(hybrid) == 10
+    assert staleness_of(RunSpec(system="persia-hybrid", data_dir="d", staleness=4)) == 4
+    assert example_settings(sync).staleness == 1
+
+
+def test_launcher_command_follows_the_local_mode_contract():
+    spec = RunSpec(system="persia-hybrid", data_dir="/data/x", num_ps=2, num_embedding_workers=2, seed=2, mlp="ffnn")
+    argv, env = synthetic_command(spec, "persia-launcher")
+    assert argv[:2] == ["persia-launcher", "local"]
+    flags = dict(zip(argv[2::2], argv[3::2]))
+    assert flags["--num-ps"] == "2" and flags["--num-embedding-workers"] == "2"
+    assert flags["--num-nn-workers"] == "1" and flags["--num-data-loaders"] == "1"
+    assert flags["--nn-worker"].endswith("train.py") and flags["--data-loader"].endswith("data_loader.py")
+    assert flags["--embedding-config"].endswith("embedding_config.yml")
+    assert env["SYNTHETIC_CTR_DATA"] == "/data/x" and env["SYNTHETIC_CTR_SEED"] == "2"
+    assert env["SYNTHETIC_CTR_MLP"] == "ffnn" and env["EMBEDDING_STALENESS"] == "10"
+    assert launcher_argv("L", __import__("pathlib").Path("ex"), 1, 1)[-1] == "1"
+
+
+def test_baselines_run_as_python_modules_and_persia_needs_the_launcher():
+    argv, _ = command_for(RunSpec(system="torch", data_dir="d"), None)
+    assert argv[1:3] == ["-m", "bench.torch_baseline"]
+    assert RunSpec.model_validate_json(argv[-1]).system == "torch"
+    with pytest.raises(ValueError, match="persia-launcher"):
+        command_for(RunSpec(system="persia-sync", data_dir="d"), None)
+
+
+def test_run_spec_rejects_bad_values_by_name():
+    with pytest.raises(ValueError, match="batch_size"):
+        RunSpec(system="torch", data_dir="d", batch_size=70000)
+    with pytest.raises(ValueError, match="system"):
+        RunSpec(system="tensorflow", data_dir="d")
+
+
+def test_unusable_launcher_is_reported_with_its_error(tmp_path, monkeypatch):
+    import bench.persia_local as persia_local
+
+    fake = tmp_path / "persia-launcher"
+    fake.write_text("#!/bin/sh\necho 'local: no such subcommand' >&2\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(persia_local, "find_launcher", lambda: str(fake))
+    assert persia_local.launcher_unavailable_reason() == "persia-launcher local --help exited 2: local: no such subcommand"
+    monkeypatch.setattr(persia_local, "find_launcher", lambda: None)
+    assert persia_local.launcher_unavailable_reason() == "persia-launcher is not installed"

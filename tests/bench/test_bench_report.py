@@ -1,0 +1,69 @@
+"""The report keeps hand-written sections, writes the plots and e2e.json."""
+
+from __future__ import annotations
+
+import json
+
+from bench.report import BEGIN, END, splice, write_report
+from bench.summary import HYBRID
+
+REQUIRED = ("ratio_mlp400", "ratio_ffnn", "auc_gap_hybrid_sync", "adult_auc", "baseline_sps_mlp400", "hybrid_sps_mlp400")
+
+
+def test_new_report_has_generated_block_and_placeholders():
+    text = splice(None, "GENERATED")
+    assert text.startswith("# Benchmarks")
+    assert BEGIN in text and END in text and "GENERATED" in text
+    assert "## Embedding PS" in text and text.index(END) < text.index("## Embedding PS")
+
+
+def test_regeneration_replaces_only_the_block():
+    first = splice(None, "OLD")
+    edited = first.replace("Placeholder for the embedding", "Measured: 1M lookups/s. Placeholder for the embedding")
+    edited += "\n## Notes\nhand-written\n"
+    second = splice(edited, "NEW")
+    assert "NEW" in second and "OLD" not in second
+    assert "Measured: 1M lookups/s." in second and "hand-written" in second
+
+
+def test_file_without_markers_keeps_its_content():
+    text = splice("# Benchmarks\n\n## Embedding PS\n\nPS figures\n", "GEN")
+    assert text.index("GEN") < text.index("## Embedding PS") and "PS figures" in text
+
+
+def _doc():
+    runs = []
+    for seed in range(2):
+        for label, sps, auc in (("torch threads=2", 100.0, 0.80), (HYBRID, 80.0, 0.79)):
+            runs.append({
+                "mlp": "mlp400", "label": label, "seed": seed, "status": "ok", "wall_seconds": 3.0,
+                "spec": {"system": label.split(" ")[0]}, "memory": {"trainer": {"max_mb": 400.0}},
+                "result": {"samples_per_sec": sps + seed, "auc": auc, "auc_curve": [{"samples": 5, "auc": 0.6}, {"samples": 10, "auc": auc}]},
+            })  # fmt: skip
+    runs.append({"mlp": "mlp400", "label": "persia-sync ps=1 ew=1", "seed": 0, "status": "skipped",
+                 "reason": "not yet measured: x", "spec": {"system": "persia-sync"}, "memory": {}, "result": None})  # fmt: skip
+    return {
+        "profile": {"name": "t", "models": [{"mlp": "mlp400", "train_rows": 10, "test_rows": 5}], "batch_size": 4,
+                    "repeats": 2, "baseline_threads": 2, "eval_points": 2, "curve_eval_rows": 5},
+        "machine": {"cpus": 2},
+        "data": {"config": {"scale": 0.01, "cardinality_floor": 1000, "zipf_exponent": 1.1, "seed": 0},
+                 "train_positive_rate": 0.25, "train_rows": 10, "test_rows": 5, "vocab_ids": 7,
+                 "generation_seconds": 0.1, "teacher_test_auc": 0.87},
+        "runs": runs,
+        "adult_income": {"status": "skipped", "reason": "not yet measured: y"},
+        "total_seconds": 1.0,
+    }  # fmt: skip
+
+
+def test_write_report_produces_markdown_plots_and_headline(tmp_path):
+    head = write_report(_doc(), docs_dir=tmp_path / "docs", results_dir=tmp_path / "results")
+    saved = json.loads((tmp_path / "results" / "e2e.json").read_text())
+    assert saved == json.loads(json.dumps(head))
+    assert all(k in saved for k in REQUIRED)
+    assert saved["baseline_sps_mlp400"] == 100.5 and saved["ratio_mlp400"] == 80.5 / 100.5
+    assert saved["auc_gap_hybrid_sync"] is None and saved["notes"]["auc_gap_hybrid_sync"] == "not yet measured: x"
+    md = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "| torch threads=2 | 2/2 | 100 |" in md.replace(",", "")
+    assert "not yet measured: x" in md and "## Embedding PS" in md
+    for name in ("e2e_throughput.png", "e2e_auc_curve.png", "e2e_memory.png"):
+        assert (tmp_path / "docs" / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,121 @@
+"""Run planning (interleaving), aggregation (medians, seed-paired AUC gaps) and the headline."""
+
+from __future__ import annotations
+
+from bench.e2e_bench import PROFILES, ModelPlan, Profile, SystemPlan, plan_runs
+from bench.summary import HYBRID, SYNC, headline, mean_curve, summarize
+from synthetic_ctr.manifest import GeneratorConfig
+
+
+def _profile(repeats=3):
+    return Profile(
+        name="t",
+        data=GeneratorConfig(train_rows=10, test_rows=10),
+        models=(
+            ModelPlan("mlp400", 10, 10, (SystemPlan("torch"), SystemPlan("persia-hybrid"), SystemPlan("persia-sync", repeats=1))),
+            ModelPlan("ffnn", 5, 5, (SystemPlan("torch"),)),
+        ),
+        repeats=repeats,
+    )
+
+
+def test_runs_are_interleaved_with_seed_per_round():
+    specs = plan_runs(_profile(), "d")
+    order = [(s.mlp, s.system, s.seed) for s in specs]
+    assert order[:5] == [
+        ("mlp400", "torch", 0), ("mlp400", "persia-hybrid", 0), ("mlp400", "persia-sync", 0),
+        ("mlp400", "torch", 1), ("mlp400", "persia-hybrid", 1),
+    ]  # fmt: skip
+    assert sum(1 for o in order if o[1] == "persia-sync") == 1
+    assert [o for o in order if o[0] == "ffnn"] == [("ffnn", "torch", k) for k in range(3)]
+    assert {s.data_dir for s in specs} == {"d"}
+    only = plan_runs(_profile(), "d", systems={"torch"})
+    assert {s.system for s in only} == {"torch"} and len(only) == 6
+
+
+def test_full_profile_measures_every_configuration_the_issue_asks_for():
+    full = PROFILES["full"]
+    labels = {(s.mlp, s.label) for s in plan_runs(full, "d")}
+    for needed in [("mlp400", "torch threads=2"), ("mlp400", "torchrec threads=2"), ("mlp400", HYBRID), ("mlp400", SYNC),
+                   ("mlp400", "persia-hybrid ps=2 ew=2"), ("mlp400", "persia-sync ps=2 ew=2"),
+                   ("ffnn", "torch threads=2"), ("ffnn", HYBRID)]:  # fmt: skip
+        assert needed in labels
+    seeds = {s.seed for s in plan_runs(full, "d") if s.label in (HYBRID, SYNC) and s.mlp == "mlp400"}
+    assert seeds == {0, 1, 2}  # the AUC gap is averaged over 3 seeds
+
+
+def _run(mlp, label, seed, sps=None, auc=None, status="ok", reason=None, curve=(), memory=None):
+    system = label.split(" ")[0]
+    return {
+        "mlp": mlp, "label": label, "seed": seed, "status": status, "reason": reason, "wall_seconds": 1.0,
+        "spec": {"system": system}, "memory": memory or {},
+        "result": None if status != "ok" else {"samples_per_sec": sps, "auc": auc, "auc_curve": list(curve)},
+    }  # fmt: skip
+
+
+def test_summary_takes_median_throughput_and_paired_auc_gaps():
+    runs = [
+        _run("mlp400", "torch threads=2", 0, 100.0, 0.80), _run("mlp400", HYBRID, 0, 70.0, 0.79), _run("mlp400", SYNC, 0, 40.0, 0.7905),
+        _run("mlp400", "torch threads=2", 1, 300.0, 0.81), _run("mlp400", HYBRID, 1, 50.0, 0.80), _run("mlp400", SYNC, 1, 45.0, 0.7990),
+        _run("mlp400", "torch threads=2", 2, 120.0, 0.82), _run("mlp400", HYBRID, 2, 90.0, 0.81), _run("mlp400", SYNC, 2, 30.0, 0.8115),
+        _run("ffnn", "torch threads=2", 0, 10.0, 0.7), _run("ffnn", HYBRID, 0, 9.5, 0.69),
+    ]  # fmt: skip
+    summary = summarize(runs)
+    torch400 = next(s for s in summary if s["mlp"] == "mlp400" and s["label"] == "torch threads=2")
+    assert torch400["sps_median"] == 120.0 and torch400["sps_min"] == 100.0 and torch400["sps_max"] == 300.0
+    h = headline(summary, None)
+    assert h["baseline_sps_mlp400"] == 120.0 and h["hybrid_sps_mlp400"] == 70.0
+    assert abs(h["ratio_mlp400"] - 70.0 / 120.0) < 1e-12
+    assert abs(h["ratio_ffnn"] - 0.95) < 1e-12
+    assert abs(h["auc_gap_hybrid_sync"] - (-0.0005 + 0.001 - 0.0015) / 3) < 1e-12
+    assert h["targets"]["ratio_mlp400"]["passed"] is False
+    assert h["targets"]["ratio_ffnn"]["passed"] is True
+    assert h["targets"]["abs_auc_gap_hybrid_sync"]["passed"] is True
+    assert h["adult_auc"] is None and h["targets"]["adult_auc"]["passed"] is None
+    assert "adult_auc" in h["notes"]
+
+
+def test_unmeasured_system_gives_null_figures_with_the_reason():
+    why = "not yet measured: persia-launcher is not installed"
+    runs = [
+        _run("mlp400", "torch threads=2", 0, 100.0, 0.8),
+        _run("mlp400", HYBRID, 0, status="skipped", reason=why),
+        _run("mlp400", SYNC, 0, status="skipped", reason=why),
+    ]
+    h = headline(summarize(runs), {"status": "skipped", "reason": why})
+    for key in ("ratio_mlp400", "hybrid_sps_mlp400", "auc_gap_hybrid_sync", "adult_auc"):
+        assert h[key] is None and h["notes"][key] == why
+    assert h["baseline_sps_mlp400"] == 100.0 and "baseline_sps_mlp400" not in h["notes"]
+    assert h["notes"]["ratio_ffnn"].startswith("not yet measured: no ffnn")
+
+
+def test_failed_runs_are_reported_not_averaged():
+    runs = [_run("mlp400", "torch threads=2", 0, 100.0, 0.8), _run("mlp400", "torch threads=2", 1, status="failed", reason="exit status 1")]
+    s = summarize(runs)[0]
+    assert s["ok_runs"] == 1 and s["runs"] == 2 and s["sps_median"] == 100.0
+    assert s["reasons"] == ["exit status 1"]
+
+
+def test_mean_curve_is_pointwise():
+    a = [{"samples": 10, "auc": 0.6}, {"samples": 20, "auc": 0.7}]
+    b = [{"samples": 10, "auc": 0.8}]
+    assert mean_curve([a, b]) == [{"samples": 10, "auc": 0.7}, {"samples": 20, "auc": 0.7}]
+
+
+def test_memory_per_role_is_the_max_over_runs_and_trainer_figure():
+    runs = [
+        _run("mlp400", HYBRID, 0, 1.0, 0.5, memory={"ps": {"max_mb": 100.0}, "nn-worker": {"max_mb": 300.0}}),
+        _run("mlp400", HYBRID, 1, 1.0, 0.5, memory={"ps": {"max_mb": 150.0}, "other": {"max_mb": 9.0}}),
+    ]
+    runs[1]["result"]["peak_rss_mb"] = {"nn-worker": 350.0}
+    assert summarize(runs)[0]["memory_mb"] == {"ps": 150.0, "nn-worker": 350.0}
+
+
+def test_baseline_is_the_fastest_thread_count():
+    runs = [
+        _run("mlp400", "torch threads=1", 0, 200.0, 0.80), _run("mlp400", "torch threads=2", 0, 150.0, 0.81),
+        _run("mlp400", HYBRID, 0, 120.0, 0.80),
+    ]  # fmt: skip
+    h = headline(summarize(runs), None)
+    assert h["baseline_mlp400"] == "torch threads=1" and h["baseline_sps_mlp400"] == 200.0
+    assert h["ratio_mlp400"] == 0.6
