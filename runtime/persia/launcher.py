@@ -209,6 +209,8 @@ def _load_configs(args, need_embedding: bool):
     from persia.config import GlobalConfig, load_embedding_config, load_global_config
 
     gc = load_global_config(args.global_config) if args.global_config else GlobalConfig()
+    if gc.common_config.metrics_config.enable_metrics:
+        os.environ.setdefault("PERSIA_METRICS_PORT", "9090")
     ec = None
     if need_embedding:
         ec = load_embedding_config(_require(args.embedding_config, "--embedding-config", "PERSIA_EMBEDDING_CONFIG"))

@@ -41,6 +41,22 @@ def start_exporter(port: int | None = None) -> int | None:
     return port
 
 
+def register_stats(role: str, replica: int, stats) -> None:
+    """Serve ``stats()`` (a dict of numbers, e.g. the PS store's counters) as gauges at scrape time."""
+    from prometheus_client.core import REGISTRY, GaugeMetricFamily
+
+    class _Collector:
+        def collect(self):
+            for name, value in stats().items():
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue
+                family = GaugeMetricFamily(f"persia_{name}", name, labels=["role", "replica"])
+                family.add_metric([role, str(replica)], float(value))
+                yield family
+
+    REGISTRY.register(_Collector())
+
+
 class Metrics:
     """Counters/gauges/timings keyed by name and optional ``feat`` label."""
 

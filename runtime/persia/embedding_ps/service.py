@@ -14,7 +14,7 @@ from persia import rpc
 from persia.bus import NatsBus, subject
 from persia.embedding_ps.optimizers import optimizer_from_wire
 from persia.embedding_ps.store import EmbeddingStore, HyperParameters
-from persia.metrics import Metrics
+from persia.metrics import Metrics, register_stats, start_exporter
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ class EmbeddingParameterServer:
         self.store = EmbeddingStore(pc.capacity, pc.num_hashmap_internal_shards, seed=replica_index)
         self.num_workers = global_config.common_config.checkpointing_config.num_workers
         self.metrics = Metrics("embedding_parameter_server", replica_index)
+        if start_exporter() is not None:
+            register_stats("embedding_parameter_server", replica_index, self.store.stats)
         self._configured = False
         self._optimizer = None
         self._status = {"state": "idle", "error": None}

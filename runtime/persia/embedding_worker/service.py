@@ -15,7 +15,7 @@ from persia.bus import BUSY, NatsBus, subject
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
 from persia.errors import DiscoveryTimeout
-from persia.metrics import Metrics
+from persia.metrics import Metrics, start_exporter
 from persia import rpc
 
 log = logging.getLogger(__name__)
@@ -89,6 +89,7 @@ class EmbeddingWorker:
         # so a generous cap only guards against a runaway client.
         self.post_buffer = ExpiringBuffer("post-forward buffer", 1 << 20, wc.buffered_data_expired_sec)
         self.metrics = Metrics("embedding_worker", replica_index)
+        start_exporter()
         self.bus = bus
         self._server, self.port = rpc.serve(
             SERVICE,

@@ -1,0 +1,44 @@
+"""persia-launcher keeps PERSIA's flags and env-var fallbacks."""
+
+import subprocess
+import sys
+
+import pytest
+
+from persia.launcher import build_parser
+
+
+def test_env_fallbacks(monkeypatch):
+    monkeypatch.setenv("PERSIA_NN_WORKER_ENTRY", "/w/train.py")
+    monkeypatch.setenv("PERSIA_DATALOADER_ENTRY", "/w/loader.py")
+    monkeypatch.setenv("PERSIA_EMBEDDING_CONFIG", "/c/emb.yml")
+    monkeypatch.setenv("PERSIA_GLOBAL_CONFIG", "/c/glob.yml")
+    monkeypatch.setenv("REPLICA_INDEX", "3")
+    monkeypatch.setenv("REPLICA_SIZE", "4")
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    p = build_parser()
+    nn = p.parse_args(["nn-worker"])
+    assert (nn.filepath, nn.nproc_per_node, nn.node_rank, nn.nnodes) == ("/w/train.py", 2, 3, 4)
+    dl = p.parse_args(["data-loader"])
+    assert (dl.filepath, dl.replica_index, dl.replica_size) == ("/w/loader.py", 3, 4)
+    ps = p.parse_args(["embedding-parameter-server"])
+    assert (ps.port, ps.embedding_config, ps.global_config, ps.replica_index) == (8888, "/c/emb.yml", "/c/glob.yml", 3)
+    ew = p.parse_args(["embedding-worker", "--port", "9000", "--replica-index", "1"])
+    assert (ew.port, ew.replica_index, ew.replica_size) == (9000, 1, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["data-loader", "/nonexistent/loader.py"], "FILEPATH '/nonexistent/loader.py' does not exist"),
+        (["embedding-worker", "--replica-index", "2", "--replica-size", "2"],
+         "replica index 2 out of range for replica size 2"),
+        (["nn-worker"], "FILEPATH is required (or set PERSIA_NN_WORKER_ENTRY)"),
+    ],
+)
+def test_bad_invocations_say_what_is_wrong(argv, message):
+    env = {"PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "persia.launcher", *argv], capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert proc.returncode != 0
+    assert message in proc.stderr
