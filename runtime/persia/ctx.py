@@ -156,6 +156,7 @@ class DataCtx(BaseCtx):
             subject("ew", "forward", worker),
             {
                 "loader": self.replica_index,
+                "batch_id": batch_id,  # lets the worker recognise a retried send
                 "batch_size": persia_batch.batch_size,
                 "requires_grad": persia_batch.requires_grad,
                 "features": id_features_to_wire(persia_batch),

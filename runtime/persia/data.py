@@ -79,6 +79,7 @@ class StreamingDataset(IterableDatasetBase):
         self._eos: dict[int, dict] = {}
         self._loader_size: int | None = None
         self._received: dict[int, int] = {}
+        self._seen: set[tuple[int, int]] = set()
         self.received_total = 0
 
     def _register(self, bus, rank: int) -> None:
@@ -100,9 +101,16 @@ class StreamingDataset(IterableDatasetBase):
         self._subs = []
 
     def _on_batch(self, msg: dict) -> Any:
+        key = (int(msg.get("loader", 0)), int(msg["batch_id"]))
+        with self._lock:
+            if key in self._seen:  # a retried send whose first reply was lost: train it once
+                return {"queued": True, "duplicate": True}
+            self._seen.add(key)
         try:
             self._queue.put(("batch", msg), timeout=self.busy_wait_s)
         except queue.Full:
+            with self._lock:
+                self._seen.discard(key)
             return BUSY
         return {"queued": True}
 

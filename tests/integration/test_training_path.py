@@ -236,3 +236,26 @@ def test_rendezvous_over_nats_hands_out_distinct_indices(persia_env, monkeypatch
         monkeypatch.setenv("HOSTNAME", "nn-xyz")
         with pytest.raises(BusyError):
             claim_index(bus, "nn", 2, deadline_s=1.0)
+
+
+def test_retried_sends_are_not_duplicated(persia_env):
+    """A send retried after a lost reply must not buffer or train a batch twice."""
+    from persia.bus import shared_bus, subject
+    from persia.ctx import id_features_to_wire
+    from persia.data import StreamingDataset
+
+    with cluster(num_workers=1) as servers:
+        worker = servers[-1]
+        batch = make_batch(5)
+        req = {"loader": 0, "batch_id": 7, "batch_size": BS, "requires_grad": True,
+               "features": id_features_to_wire(batch)}
+        bus = shared_bus()
+        first = bus.request(subject("ew", "forward", 0), req)
+        second = bus.request(subject("ew", "forward", 0), req)
+        assert first == second
+        assert len(worker.forward_buffer) == 1
+    ds = StreamingDataset(4)
+    msg = {"loader": 0, "batch_id": 7}
+    assert ds._on_batch(msg) == {"queued": True}
+    assert ds._on_batch(msg) == {"queued": True, "duplicate": True}
+    assert ds._queue.qsize() == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ from persia import rpc
 log = logging.getLogger(__name__)
 
 SERVICE = "persia.EmbeddingWorker"
+_RECENT_KEYS = 100_000  # (loader, batch_id) -> ref, to answer retried sends idempotently
 PS_SERVICE = "persia.EmbeddingParameterServer"
 
 
@@ -88,6 +90,8 @@ class EmbeddingWorker:
         # One post-forward entry per in-flight training batch; bounded by staleness on the NN side,
         # so a generous cap only guards against a runaway client.
         self.post_buffer = ExpiringBuffer("post-forward buffer", 1 << 20, wc.buffered_data_expired_sec)
+        self._recent: OrderedDict[tuple, int] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self.metrics = Metrics("embedding_worker", replica_index)
         start_exporter()
         self.bus = bus
@@ -126,10 +130,20 @@ class EmbeddingWorker:
         """A data loader's ID features: validate now (a bad batch is rejected at the sender), buffer."""
         batch_size = int(req["batch_size"])
         pipeline.validate_features(req["features"], batch_size, self.slots)
-        ref = self.forward_buffer.put(int(req.get("loader", 0)), req)
-        if ref is None:
-            self.metrics.inc("forward_busy")
-            return BUSY
+        loader = int(req.get("loader", 0))
+        key = (loader, req.get("batch_id"))
+        with self._recent_lock:
+            if key[1] is not None and key in self._recent:
+                # a retry of a send whose reply was lost: same ref, not a second copy
+                return {"ref": self._recent[key], "worker": self.replica_index}
+            ref = self.forward_buffer.put(loader, req)
+            if ref is None:
+                self.metrics.inc("forward_busy")
+                return BUSY
+            if key[1] is not None:
+                self._recent[key] = ref
+                while len(self._recent) > _RECENT_KEYS:
+                    self._recent.popitem(last=False)
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
         return {"ref": ref, "worker": self.replica_index}
 
