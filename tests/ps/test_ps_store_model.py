@@ -79,3 +79,11 @@ def test_statistics_count_what_happened():
     assert (missing, s["evictions"], s["gradient_id_miss"], s["rows"]) == (2, 2, 2, 4)
     assert (s["lookup_ids"], s["index_miss"], s["inserted"], s["update_ids"]) == (6, 6, 6, 6)
     assert s["capacity"] == 4 and s["memory_bytes"] > 0
+
+
+def test_the_store_runs_on_the_engine_path_under_test(engine_path):
+    """conftest runs every engine test on both paths; make sure the switch reaches the store."""
+    store = EmbeddingStore(10)
+    assert store.use_kernel == (engine_path == "compiled")
+    store.lookup(np.array([1, 2], np.uint64), 3, True)
+    assert store._tables[3].use_kernel == store.use_kernel

@@ -3,8 +3,9 @@ capacity with batched LRU eviction, optimizers, checkpoints. No networking here.
 
 Concurrency: lookups share the shards they touch (read locks, taken in ascending order) for the
 whole probe-and-copy, so a row is never read half-evicted; updates, inserts and evictions own one
-shard at a time; growth, ``load``'s swap, ``clear`` and optimizer changes own every shard. numpy
-releases the GIL in the big gathers, so concurrent RPC threads overlap. See docs/ps-storage.md.
+shard at a time; growth, ``load``'s swap, ``clear`` and optimizer changes own every shard. The
+compiled kernels (and numpy, in its big gathers) release the GIL, so concurrent RPC threads on
+different shards overlap. See docs/ps-storage.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from persia.embedding_ps import checkpoint as ckpt
 from persia.embedding_ps import index as ix
+from persia.embedding_ps import kernels
 from persia.embedding_ps.eviction import choose_victims
 from persia.embedding_ps.optimizers import (
     OptimizerConfig,
@@ -98,15 +100,20 @@ class EmbeddingStore:
     ``capacity`` bounds the live rows of all dims together; it is split evenly over the
     ``num_internal_shards`` shards, each evicting its own least recently used rows (batches of
     ``evict_fraction`` of the shard capacity; 0 evicts exactly what is needed).
+
+    ``use_kernel``: probe and update in the compiled kernel (``None``: when it is built and
+    ``PERSIA_PS_PURE_NUMPY`` is not set; ``False``: the pure-numpy path, same results).
     """
 
-    def __init__(self, capacity: int, num_internal_shards: int = 1, *, seed: int = 0, evict_fraction: float = 1 / 64):
+    def __init__(self, capacity: int, num_internal_shards: int = 1, *, seed: int = 0, evict_fraction: float = 1 / 64,
+                 use_kernel: bool | None = None):
         if int(capacity) <= 0:
             raise ValueError(f"capacity must be a positive number of rows, got {capacity}")
         if int(num_internal_shards) <= 0:
             raise ValueError(f"num_internal_shards must be positive, got {num_internal_shards}")
         if not 0 <= evict_fraction < 1:
             raise ValueError(f"evict_fraction must be in [0, 1), got {evict_fraction}")
+        self.use_kernel = kernels.resolve_use_kernel(use_kernel)
         self.capacity = int(capacity)
         self.num_shards = int(num_internal_shards)
         self.shard_capacity = math.ceil(self.capacity / self.num_shards)
@@ -208,6 +215,7 @@ class EmbeddingStore:
                     min(_INITIAL_REGION_ROWS, self.shard_capacity),
                     state_width(cfg, dim),
                     initial_state_value(cfg),
+                    self.use_kernel,
                 )
                 table.state_code = optimizer_code(cfg)
                 self._tables = {**self._tables, dim: table}
@@ -266,9 +274,7 @@ class EmbeddingStore:
                 out.fill(0.0)
                 hit = np.zeros(n, dtype=bool)
             else:
-                rows, hit, _, _ = table.locate(q, h, out)
-                if train:
-                    table.stamps[rows if hit.all() else rows[hit]] = clock
+                hit = table.gather(q, out, clock if train else None, h)
         misses = n - int(np.count_nonzero(hit))
         self._count(lookup_calls=1, lookup_ids=n, index_miss=misses)
         if not train or misses == 0:
@@ -286,8 +292,7 @@ class EmbeddingStore:
             if table is None:
                 sub.fill(0.0)
             else:
-                rows, found, _, _ = table.locate(mq, mh, sub)
-                table.stamps[rows[found]] = clock
+                table.gather(mq, sub, clock, mh)
         out[miss] = sub
         return out
 
@@ -307,6 +312,48 @@ class EmbeddingStore:
         if n == 0:
             return 0
         bound = self._hp.weight_bound
+        if self.use_kernel:
+            missing, folded, promoted, updated = self._update_compiled(q, g, dim, cfg, bound)
+        else:
+            missing, folded, promoted, updated = self._update_numpy(q, g, dim, cfg, bound)
+        self._count(update_calls=1, update_ids=n, gradient_id_miss=missing, duplicate_update_ids=folded,
+                    index_promotions=promoted)
+        if updated is not None and updated.shape[0]:
+            for fn in list(self._listeners):
+                fn(dim, updated)
+        return missing
+
+    def _update_compiled(self, q, g, dim, cfg, bound):
+        """The batch sorted by shard in one pass, then per shard, under its write lock, one kernel
+        call locates the rows, steps the optimizer, clips and promotes. Returns (missing, folded,
+        promoted, updated signs)."""
+        q = np.ascontiguousarray(q)
+        if self.num_shards == 1:
+            bounds = [0, q.shape[0]]
+        else:
+            bounds, q, g = kernels.partition(q, g, self.num_shards)
+        args = kernels.update_args(cfg, bound)
+        scratch = kernels.scratch_for(max(b - a for a, b in zip(bounds, bounds[1:])))
+        hit = np.zeros(q.shape[0], dtype=bool)
+        missing = folded = promoted = 0
+        for k in range(self.num_shards):
+            a, b = bounds[k], bounds[k + 1]
+            if a == b:
+                continue
+            with self._locks[k].write():
+                table = self._tables.get(dim)
+                if table is None:
+                    missing += b - a
+                    continue
+                r = kernels.update(table, q[a:b], g[a:b], args, hit[a:b], scratch)
+            missing += r.missing
+            folded += r.folded
+            promoted += r.promoted
+        return missing, folded, promoted, (q[hit] if self._listeners else None)
+
+    def _update_numpy(self, q, g, dim, cfg, bound):
+        """Shard by shard under its write lock: locate, sum duplicates, gather, step, scatter,
+        promote. Returns (missing, folded, promoted, updated signs)."""
 
         def step(w, s, gr):
             apply_step(cfg, w, s, gr, bound)
@@ -332,13 +379,8 @@ class EmbeddingStore:
                 promoted += table.promote(slots, home, rows)
             if self._listeners and qk.shape[0]:
                 changed.append(qk)
-        self._count(update_calls=1, update_ids=n, gradient_id_miss=missing, duplicate_update_ids=folded,
-                    index_promotions=promoted)
-        if changed:
-            updated = np.concatenate(changed) if len(changed) > 1 else changed[0]
-            for fn in list(self._listeners):
-                fn(dim, updated)
-        return missing
+        updated = (np.concatenate(changed) if len(changed) > 1 else changed[0]) if changed else None
+        return missing, folded, promoted, updated
 
     # -- inserts, eviction, growth --------------------------------------------------------------
     def _insert(self, dim, signs, h, clock, *, admit: bool, weights=None, state=None, state_code=None) -> int:
@@ -559,7 +601,8 @@ class EmbeddingStore:
                     code, width = optimizer_code(cfg), state_width(cfg, dim)
                     parts = [(s, w, np.full((s.shape[0], width), initial_state_value(cfg), np.float32)) for s, w, _ in parts]
                 init = initial_state_value(cfg) if cfg is not None else 0.0
-                table = DimTable.from_parts(dim, self.num_shards, parts, width, init, self.shard_capacity, stamp, pool)
+                table = DimTable.from_parts(dim, self.num_shards, parts, width, init, self.shard_capacity, stamp, pool,
+                                            self.use_kernel)
                 table.state_code = code
                 tables[dim] = table
         return tables

@@ -1,0 +1,306 @@
+"""The compiled kernel against the pure-numpy engine: the same operations give the same rows bit for
+bit (lookups, creation, eviction, every optimizer with clipping, repeated signs), the kernel
+rejects bad arguments with an error naming them, and a corrupt index raises instead of reading
+out of bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from persia.embedding_ps import (
+    AdagradConfig,
+    AdamConfig,
+    EmbeddingStore,
+    HyperParameters,
+    SGDConfig,
+    kernels,
+)
+from persia.embedding_ps import index as ix
+from persia.hashing import INTERNAL_SHARD_SALT
+
+_kernels = kernels._kernels
+
+
+@pytest.fixture(autouse=True)
+def engine_path(monkeypatch) -> str:
+    """This module builds one store per path itself (overrides the conftest parametrization)."""
+    if not kernels.available():
+        pytest.fail("persia.embedding_ps._kernels is not built: reinstall the package (pip install -e .)")
+    monkeypatch.delenv(kernels.ENV_PURE_NUMPY, raising=False)
+    return "both"
+
+
+def _pair(capacity, shards, cfg, hp=None, **kw) -> tuple[EmbeddingStore, EmbeddingStore]:
+    stores = (EmbeddingStore(capacity, shards, use_kernel=True, **kw), EmbeddingStore(capacity, shards, use_kernel=False, **kw))
+    for s in stores:
+        s.configure(hp or HyperParameters())
+        s.register_optimizer(cfg)
+    return stores
+
+
+OPTIMIZERS = {
+    "sgd": SGDConfig(lr=0.3),
+    "sgd-momentum-wd": SGDConfig(lr=0.2, momentum=0.9, weight_decay=0.05),
+    "adagrad-wd": AdagradConfig(lr=0.1, initial_accumulator_value=0.3, weight_decay=0.02, eps=1e-6),
+    "adagrad-gsm": AdagradConfig(lr=0.1, g_square_momentum=0.9),
+    "adagrad-vectorwise": AdagradConfig(lr=0.1, vectorwise_shared=True, g_square_momentum=0.5, weight_decay=0.01),
+    "adam-wd": AdamConfig(lr=0.05, betas=(0.8, 0.95), weight_decay=0.03, eps=1e-5),
+    "adam-defaults": AdamConfig(),
+}
+
+
+def _same(a: np.ndarray, b: np.ndarray, cfg) -> None:
+    if isinstance(cfg, AdamConfig):  # bias corrections use libm pow, numpy may use its own: allow 1 ulp
+        np.testing.assert_allclose(a, b, rtol=2e-7, atol=0)
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("cfg", OPTIMIZERS.values(), ids=OPTIMIZERS.keys())
+@pytest.mark.parametrize("dim", [1, 3, 16, 33, 200])
+def test_optimizer_steps_match_numpy_bit_for_bit(cfg, dim):
+    """Several steps with repeated signs (summed first), clipping, and a few absent signs."""
+    kernel, numpy_ = _pair(100_000, 3, cfg, HyperParameters(weight_bound=0.05, init_lower=-0.05, init_upper=0.05))
+    rng = np.random.default_rng(dim)
+    signs = rng.integers(0, 2**64 - 1, 600, dtype=np.uint64, endpoint=True)
+    for s in (kernel, numpy_):
+        s.lookup(signs, dim, True)
+    absent = np.array([7, 8, 9], dtype=np.uint64)
+    for _ in range(4):
+        batch = np.concatenate([signs[rng.integers(0, len(signs), 400)], absent])
+        grads = rng.standard_normal((len(batch), dim)).astype(np.float32)
+        assert kernel.update(batch, grads) == numpy_.update(batch, grads) == 3
+    _, w_k, s_k, _ = kernel.read_rows(signs, dim)
+    _, w_n, s_n, _ = numpy_.read_rows(signs, dim)
+    _same(w_k, w_n, cfg)
+    _same(s_k, s_n, cfg)
+    assert np.abs(w_k).max() <= 0.05
+    counters = ("update_ids", "gradient_id_miss", "duplicate_update_ids")
+    assert [kernel.stats()[c] for c in counters] == [numpy_.stats()[c] for c in counters]
+    assert kernel.stats()["duplicate_update_ids"] > 0
+
+
+@pytest.mark.parametrize("seed, shards, admit", [(0, 1, 1.0), (1, 3, 1.0), (2, 4, 0.6), (3, 2, 0.9)])
+def test_random_operation_sequences_agree(seed, shards, admit):
+    """Lookups (train and inference), updates, inserts with eviction, upserts, contains and
+    read_rows on both paths, compared after every operation (rows, stats, listeners)."""
+    rng = np.random.default_rng(seed)
+    universe = np.concatenate([np.array([0, 1, 2**63, 2**64 - 1], np.uint64),
+                               rng.integers(0, 2**64 - 1, 400, dtype=np.uint64, endpoint=True)])
+    hp = HyperParameters(admit_probability=admit, weight_bound=2.0, init_lower=-1, init_upper=1)
+    kernel, numpy_ = _pair(shards * 60, shards, AdagradConfig(lr=0.3), hp, seed=seed, evict_fraction=0.05)
+    heard = ([], [])
+    kernel.add_update_listener(lambda dim, s: heard[0].append((dim, np.sort(s))))
+    numpy_.add_update_listener(lambda dim, s: heard[1].append((dim, np.sort(s))))
+    for _ in range(150):
+        dim = int(rng.choice([2, 5, 16]))
+        picks = universe[rng.integers(0, len(universe), int(rng.integers(1, 90)))]
+        kind = rng.random()
+        if kind < 0.5:
+            train = bool(rng.random() < 0.8)
+            np.testing.assert_array_equal(kernel.lookup(picks, dim, train), numpy_.lookup(picks, dim, train))
+        elif kind < 0.85:
+            grads = rng.standard_normal((len(picks), dim)).astype(np.float32)
+            assert kernel.update(picks, grads) == numpy_.update(picks, grads)
+        elif kind < 0.95:
+            uniq = np.unique(picks)
+            weights = rng.standard_normal((len(uniq), dim)).astype(np.float32)
+            assert kernel.upsert(uniq, dim, weights) == numpy_.upsert(uniq, dim, weights)
+        else:
+            np.testing.assert_array_equal(kernel.contains(picks, dim), numpy_.contains(picks, dim))
+        for d in (2, 5, 16):
+            a, b = kernel.read_rows(universe, d), numpy_.read_rows(universe, d)
+            for x, y in zip(a[:3], b[:3]):
+                np.testing.assert_array_equal(x, y)
+    sk, sn = kernel.stats(), numpy_.stats()
+    sk.pop("index_promotions"), sn.pop("index_promotions")  # the two promote in a different order
+    assert sk == sn and sk["evictions"] > 0 and sk["update_ids"] > 0
+    assert len(heard[0]) == len(heard[1])
+    for (dk, a), (dn, b) in zip(*heard):
+        assert dk == dn
+        np.testing.assert_array_equal(a, b)
+
+
+def _unmix64(h: int) -> int:
+    """Inverse of persia.hashing.mix64 (splitmix64's finalizer is a bijection)."""
+    m = (1 << 64) - 1
+
+    def unxorshift(z, s):
+        x = z
+        for _ in range(64 // s + 1):
+            x = z ^ (x >> s)
+        return x
+
+    z = unxorshift(h, 31)
+    z = (z * pow(0x94D049BB133111EB, -1, 1 << 64)) & m
+    z = unxorshift(z, 27)
+    z = (z * pow(0xBF58476D1CE4E5B9, -1, 1 << 64)) & m
+    z = unxorshift(z, 30)
+    return (z - 0x9E3779B97F4A7C15) & m
+
+
+def test_a_fingerprint_collision_only_takes_the_exact_path():
+    """Two distinct signs whose hashes share the kernel's 32-bit fingerprint and set slot: the
+    kernel suspects a repeat, the exact fold finds none, and the rows are stepped once each."""
+    low, hi_a, hi_b = 0x2468ACE1, 0x00012345, 0x80012345  # same fingerprint, same set slot
+    pair = np.array([_unmix64((hi << 32) | low) ^ INTERNAL_SHARD_SALT for hi in (hi_a, hi_b)], dtype=np.uint64)
+    hashes = ix.sign_hash(pair)
+    assert (hashes & np.uint64(0xFFFFFFFF) == low).all() and pair[0] != pair[1]
+    signs = np.concatenate([pair, np.arange(10, 20, dtype=np.uint64)])
+    kernel, numpy_ = _pair(1000, 1, AdagradConfig(lr=0.5))
+    for s in (kernel, numpy_):
+        s.lookup(signs, 4, True)
+    grads = np.random.default_rng(0).standard_normal((len(signs), 4)).astype(np.float32)
+    assert kernel.update(signs, grads) == numpy_.update(signs, grads) == 0
+    np.testing.assert_array_equal(kernel.lookup(signs, 4, False), numpy_.lookup(signs, 4, False))
+    assert kernel.stats()["duplicate_update_ids"] == 0
+
+
+def test_kernel_hash_is_the_engine_hash():
+    signs = np.concatenate([np.array([0, 1, 2**63, 2**64 - 1], np.uint64),
+                            np.random.default_rng(0).integers(0, 2**64 - 1, 1000, dtype=np.uint64, endpoint=True)])
+    np.testing.assert_array_equal(kernels.sign_hash(signs), ix.sign_hash(signs))
+
+
+def test_partition_is_a_stable_sort_by_shard():
+    rng = np.random.default_rng(1)
+    signs = rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True)
+    grads = rng.standard_normal((5000, 3)).astype(np.float32)
+    bounds, q, g = kernels.partition(signs, grads, 7)
+    shard = ix.shard_ids(ix.sign_hash(signs), 7)
+    order = np.argsort(shard, kind="stable")
+    np.testing.assert_array_equal(q, signs[order])
+    np.testing.assert_array_equal(g, grads[order])
+    np.testing.assert_array_equal(bounds, np.concatenate([[0], np.cumsum(np.bincount(shard, minlength=7))]))
+
+
+def test_the_kernel_lets_other_threads_run_while_it_works():
+    """The GIL is released inside the kernel: another Python thread makes progress in the middle
+    of one long lookup call (with the GIL held it could not run there at all)."""
+    store = EmbeddingStore(300_000, 4, use_kernel=True)
+    signs = np.arange(1, 200_001, dtype=np.uint64) * np.uint64(2654435761)
+    store.lookup(signs, 16, True)
+    batch = np.tile(signs, 15)  # 3M IDs: one call of tens of milliseconds
+    ticks: list[float] = []
+    started, done = threading.Event(), threading.Event()
+
+    def other():
+        started.set()
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+
+    t = threading.Thread(target=other)
+    t.start()
+    started.wait(10)
+    begin = time.perf_counter()
+    out = store.lookup(batch, 16, False)
+    end = time.perf_counter()
+    done.set()
+    t.join(10)
+    assert out.shape == (len(batch), 16) and np.any(out)
+    middle = [x for x in ticks if begin + 0.3 * (end - begin) < x < end - 0.3 * (end - begin)]
+    assert len(middle) > 100, (len(ticks), len(middle), end - begin)
+
+
+# -- arguments and safety -------------------------------------------------------------------------
+def _table():
+    store = EmbeddingStore(1000, 2, use_kernel=True)
+    store.register_optimizer(AdagradConfig())
+    signs = np.arange(1, 50, dtype=np.uint64)
+    store.lookup(signs, 4, True)
+    return store, store._tables[4], signs
+
+
+def _locate_args(table, signs):
+    n = len(signs)
+    return dict(index=table.index, rows=table.rows, signs=signs, num_shards=table.num_shards,
+                slots_per_region=table.M, key_col=table.key_col, dim=table.dim, salt=INTERNAL_SHARD_SALT,
+                hit=np.empty(n, bool), out=np.empty((n, table.dim), np.float32), stamps=table.stamps, clock=3)
+
+
+@pytest.mark.parametrize(
+    "field, bad, match",
+    [
+        ("signs", np.arange(5, dtype=np.float64), r"signs must be a 1-D array of 8-byte unsigned integer"),
+        ("signs", np.arange(10, dtype=np.uint64)[::2], r"signs must be a C-contiguous"),
+        ("hit", np.empty(3, bool), r"hit has 3 elements, expected 49"),
+        ("out", np.empty((49, 5), np.float32), r"out has 5 columns, expected 4"),
+        ("out", np.empty((49, 4), np.float64), r"out must be a 2-D array of 4-byte float"),
+        ("stamps", np.zeros(7, np.uint32), r"stamps has 7 elements"),
+        ("index", np.zeros(5, np.uint32), r"index has 5 slots, expected num_shards \* slots_per_region"),
+        ("key_col", 1, r"cannot hold dim 4 and a sign at column key_col 1"),
+        ("clock", 2**33, r"clock 8589934592 does not fit a uint32"),
+    ],
+)
+def test_locate_refuses_bad_arguments_naming_them(field, bad, match):
+    _, table, signs = _table()
+    args = _locate_args(table, signs)
+    args[field] = bad
+    with pytest.raises(ValueError, match=match):
+        _kernels.locate(**args)
+
+
+def test_read_only_output_is_refused():
+    _, table, signs = _table()
+    args = _locate_args(table, signs)
+    args["out"].flags.writeable = False
+    with pytest.raises(ValueError, match=r"out must be a C-contiguous writable"):
+        _kernels.locate(**args)
+
+
+@pytest.mark.parametrize(
+    "field, bad, match",
+    [
+        ("code", 7, r"code must be 1 \(SGD\), 2 \(Adagrad\) or 3 \(Adam\), got 7"),
+        ("vectorwise", True, r"state has 4 columns for this optimizer, expected 1"),
+        ("grads", np.zeros((5, 4), np.float32), r"grads has 5 rows, expected 49"),
+        ("gbuf", np.zeros(4, np.float32), r"gbuf has 4 elements, expected 8"),
+        ("scratch", np.zeros(100, np.uint32), r"scratch must hold a power of two >= 2 \* 49 elements, got 100"),
+    ],
+)
+def test_update_refuses_bad_arguments_naming_them(field, bad, match):
+    store, table, signs = _table()
+    before = table.rows.copy()
+    args = dict(kernels.update_args(store.optimizer, 0.0), index=table.index, rows=table.rows, state=table.state,
+                stamps=table.stamps, signs=signs, grads=np.ones((len(signs), 4), np.float32),
+                num_shards=table.num_shards, slots_per_region=table.M, key_col=table.key_col, dim=4,
+                hit=np.empty(len(signs), bool), gbuf=np.empty(8, np.float32), scratch=kernels.scratch_for(len(signs)))
+    args[field] = bad
+    with pytest.raises(ValueError, match=match):
+        _kernels.update(**args)
+    np.testing.assert_array_equal(table.rows, before)  # nothing was touched
+
+
+def test_a_corrupt_index_raises_instead_of_reading_past_the_table():
+    store, table, signs = _table()
+    home = ix.home_slots(ix.sign_hash(signs[:1]), table.num_shards, table.M)[0]
+    table.index[home] = table.rows.shape[0] + 5  # a row number past the table
+    with pytest.raises(RuntimeError, match="invariant broken"):
+        store.lookup(signs[:1], 4, False)
+
+
+def test_a_region_without_an_empty_slot_ends_the_probe():
+    store, table, _ = _table()
+    table.index[:] = ix.TOMBSTONE  # every chain endless: the probe must stop after one lap
+    with pytest.raises(RuntimeError, match="invariant broken"):
+        store.lookup(np.array([123456789], np.uint64), 4, False)
+
+
+# -- choosing the path ----------------------------------------------------------------------------
+def test_env_var_forces_the_numpy_path(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_PURE_NUMPY, "1")
+    assert EmbeddingStore(10).use_kernel is False
+    assert EmbeddingStore(10, use_kernel=True).use_kernel is True  # an explicit choice wins
+    monkeypatch.setenv(kernels.ENV_PURE_NUMPY, "0")
+    assert EmbeddingStore(10).use_kernel is True
+
+
+def test_asking_for_a_kernel_that_is_not_built_is_an_error(monkeypatch):
+    monkeypatch.setattr(kernels, "_kernels", None)
+    assert EmbeddingStore(10).use_kernel is False  # the default falls back to numpy
+    with pytest.raises(RuntimeError, match=r"use_kernel=True but persia.embedding_ps._kernels is not built"):
+        EmbeddingStore(10, use_kernel=True)
