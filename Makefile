@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo test test-fast bench bench-ps bench-smoke crds chart lint images e2e clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
@@ -56,4 +56,4 @@ lint: $(STAMP)
 	$(PY) -c "import helm_python; helm_python.lint('charts/persia-operator', strict=True)"
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache build runtime/persia/embedding_ps/*.so
