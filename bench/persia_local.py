@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 from bench._paths import EXAMPLE_DIR, REPO_ROOT, child_env
-from bench.spec import RunSpec
+from bench.spec import DEFAULT_HYBRID_STALENESS, RunSpec
 from synthetic_ctr.settings import ExampleSettings
 
 LAUNCHER = "persia-launcher"
-HYBRID_STALENESS = 10
+HYBRID_STALENESS = DEFAULT_HYBRID_STALENESS  # the adult-income example's bound
 ADULT_DIR = REPO_ROOT / "examples" / "adult-income"
 
 
@@ -51,9 +51,9 @@ def launcher_unavailable_reason(timeout_s: float = 60.0) -> str | None:
 
 def staleness_of(spec: RunSpec) -> int:
     """persia-sync is the synchronous reference: staleness 1 (update before the next lookup)."""
-    if spec.system == "persia-sync":
-        return 1
-    return spec.staleness or HYBRID_STALENESS
+    if not spec.system.startswith("persia"):
+        raise ValueError(f"staleness is a setting of our system, not of system={spec.system!r}")
+    return spec.effective_staleness
 
 
 def example_settings(spec: RunSpec) -> ExampleSettings:
@@ -81,7 +81,9 @@ def launcher_argv(
     num_embedding_workers: int,
     num_nn_workers: int = 1,
     num_data_loaders: int = 1,
+    nn_threads: int | None = None,
 ) -> list[str]:
+    threads = ["--nn-threads", str(nn_threads)] if nn_threads else []
     return [
         launcher,
         "local",
@@ -93,12 +95,13 @@ def launcher_argv(
         "--num-embedding-workers", str(num_embedding_workers),
         "--num-nn-workers", str(num_nn_workers),
         "--num-data-loaders", str(num_data_loaders),
+        *threads,
     ]  # fmt: skip
 
 
 def synthetic_command(spec: RunSpec, launcher: str) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one run of our system on the synthetic CTR data."""
-    argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers)
+    argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads)
     return argv, child_env(example_settings(spec).to_env())
 
 

@@ -1,7 +1,9 @@
-"""Peak memory per role of a process tree, sampled from /proc (Linux, stdlib only).
+"""Peak memory and CPU time per role of a process tree, sampled from /proc (Linux, stdlib only).
 
 Each process's ``VmHWM`` is its own resident high-water mark, so a sample taken late still sees an
 earlier peak; only growth in the last sampling interval before a process exits can be missed.
+CPU time (user + system, all threads) only grows, so the last sample of a process is its total up
+to within one sampling interval: on a 2-core machine it says which role used the cores.
 """
 
 from __future__ import annotations
@@ -84,6 +86,18 @@ def peak_rss_mb(pid: int) -> float | None:
     return None
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (all its threads), from /proc/<pid>/stat."""
+    stat = _read(PROC / str(pid) / "stat")
+    if stat is None:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # fields[11], [12] = utime, stime (stat(5) 14, 15)
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
 def cmdline(pid: int) -> list[str]:
     raw = _read(PROC / str(pid) / "cmdline")
     return [a for a in (raw or "").split("\0") if a]
@@ -100,12 +114,22 @@ def summarize(peaks: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]
     return out
 
 
+def add_cpu(summary: dict[str, dict[str, float]], cpu: Iterable[tuple[str, float]]) -> dict[str, dict[str, float]]:
+    """Add ``cpu_s`` (CPU seconds summed over the role's processes) to a per-role summary."""
+    for role, seconds in cpu:
+        r = summary.setdefault(role, {"max_mb": 0.0, "sum_mb": 0.0, "processes": 0})
+        r["cpu_s"] = r.get("cpu_s", 0.0) + seconds
+    return summary
+
+
 class PeakMemorySampler:
-    """Polls a process tree in a thread until ``stop()``; ``result()`` gives per-role peaks."""
+    """Polls a process tree in a thread until ``stop()``; ``result()`` gives per-role peaks of
+    memory and CPU seconds."""
 
     def __init__(self, root_pid: int, interval_s: float = 0.2):
         self.root, self.interval = root_pid, interval_s
         self._peaks: dict[int, tuple[str, float]] = {}
+        self._cpu: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
@@ -120,6 +144,9 @@ class PeakMemorySampler:
                 continue
             role = self._peaks[pid][0] if pid in self._peaks else classify_role(cmdline(pid))
             self._peaks[pid] = (role, max(mb, self._peaks.get(pid, ("", 0.0))[1]))
+            cpu = cpu_seconds(pid)
+            if cpu is not None:
+                self._cpu[pid] = (role, max(cpu, self._cpu.get(pid, ("", 0.0))[1]))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -132,4 +159,4 @@ class PeakMemorySampler:
         return self.result()
 
     def result(self) -> dict[str, dict[str, float]]:
-        return summarize(self._peaks.values())
+        return add_cpu(summarize(self._peaks.values()), self._cpu.values())

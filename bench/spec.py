@@ -7,6 +7,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 System = Literal["torch", "torchrec", "persia-hybrid", "persia-sync"]
+DEFAULT_HYBRID_STALENESS = 10  # PERSIA's examples; the benchmark profile may choose another bound
+
+
+def persia_label(system: str, staleness: int, num_ps: int = 1, num_embedding_workers: int = 1, nn_threads: int | None = None) -> str:
+    """Name of one configuration of our system; the synchronous reference (staleness 1) has none."""
+    bound = "" if system == "persia-sync" else f" st={staleness}"
+    threads = f" nn-threads={nn_threads}" if nn_threads else ""
+    return f"{system}{bound} ps={num_ps} ew={num_embedding_workers}{threads}"
 
 
 class RunSpec(BaseModel):
@@ -27,13 +35,23 @@ class RunSpec(BaseModel):
     embedding_lr: float = 1e-2
     # our system only
     staleness: int | None = Field(default=None, ge=1)
+    nn_threads: int | None = Field(default=None, ge=1)  # torch threads per NN worker; None: the launcher's budget
     num_ps: int = Field(default=1, ge=1)
     num_embedding_workers: int = Field(default=1, ge=1)
     timeout_s: float = Field(default=600.0, gt=0)
 
     @property
+    def effective_staleness(self) -> int | None:
+        """persia-sync is the synchronous reference: staleness 1 (update before the next lookup)."""
+        if self.system == "persia-sync":
+            return 1
+        if self.system == "persia-hybrid":
+            return self.staleness or DEFAULT_HYBRID_STALENESS
+        return None
+
+    @property
     def label(self) -> str:
         """Short name of the configuration (what the median groups by: everything but the seed)."""
         if self.system.startswith("persia"):
-            return f"{self.system} ps={self.num_ps} ew={self.num_embedding_workers}"
+            return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers, self.nn_threads)
         return f"{self.system} threads={self.threads}"

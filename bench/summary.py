@@ -5,9 +5,23 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench.spec import DEFAULT_HYBRID_STALENESS, persia_label
+
 BASELINE = "torch"  # the system; its fastest thread count (median samples/s) is the baseline
-HYBRID = "persia-hybrid ps=1 ew=1"
-SYNC = "persia-sync ps=1 ew=1"
+
+
+def hybrid_label(staleness: int = DEFAULT_HYBRID_STALENESS, nn_threads: int | None = None) -> str:
+    """The headline hybrid configuration: one PS, one embedding worker, this staleness bound."""
+    return persia_label("persia-hybrid", staleness, nn_threads=nn_threads)
+
+
+def sync_label(nn_threads: int | None = None) -> str:
+    """The synchronous reference the headline hybrid configuration is compared with."""
+    return persia_label("persia-sync", 1, nn_threads=nn_threads)
+
+
+HYBRID = hybrid_label()
+SYNC = sync_label()
 NOT_MEASURED = "not yet measured"
 
 TARGETS = {
@@ -33,6 +47,11 @@ def _run_memory(run: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _run_cpu(run: dict[str, Any]) -> dict[str, float]:
+    """CPU seconds per role of one run (start-up and evaluation included)."""
+    return {role: float(v["cpu_s"]) for role, v in (run.get("memory") or {}).items() if role != "other" and "cpu_s" in v}
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (mlp, label) in first-seen order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -48,12 +67,16 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for r in ok:
             for role, mb in _run_memory(r).items():
                 memory[role] = max(memory.get(role, 0.0), mb)
+        train_s = [r["result"]["train_seconds"] for r in ok if r["result"].get("train_seconds")]
+        cpu_runs = [_run_cpu(r) for r in ok]
+        cpu = {role: statistics.median([c[role] for c in cpu_runs if role in c]) for role in sorted({k for c in cpu_runs for k in c})}
         reasons = sorted({r.get("reason", "") for r in group if not _ok(r) and r.get("reason")})
         out.append(
             {
                 "mlp": mlp,
                 "label": label,
                 "system": group[0]["spec"]["system"] if group[0].get("spec") else label,
+                "spec": group[0].get("spec") or {},
                 "runs": len(group),
                 "ok_runs": len(ok),
                 "sps_median": statistics.median(sps) if sps else None,
@@ -64,11 +87,15 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "auc_mean": statistics.fmean(aucs) if aucs else None,
                 "auc_std": statistics.stdev(aucs) if len(aucs) > 1 else None,
                 "wall_median": statistics.median([r["wall_seconds"] for r in ok]) if ok else None,
-                "max_load": max((r["loadavg_end"] for r in ok if r.get("loadavg_end") is not None), default=None),
+                "max_load": max(
+                    (r[k] for r in ok for k in ("loadavg_start", "loadavg_end") if r.get(k) is not None), default=None
+                ),
                 "train_samples": ok[0]["result"].get("train_samples") if ok else None,
                 "threads": ok[0]["result"].get("threads") if ok else None,
                 "curve": mean_curve([r["result"].get("auc_curve") or [] for r in ok]),
                 "memory_mb": memory,
+                "cpu_s": cpu,
+                "train_seconds_median": statistics.median(train_s) if train_s else None,
                 "reasons": reasons,
             }
         )
@@ -135,12 +162,15 @@ def _missing(deps: list[tuple[str, dict[str, Any] | None, str]]) -> str:
     return f"{NOT_MEASURED}"
 
 
-def headline(summary: list[dict[str, Any]], adult: dict[str, Any] | None) -> dict[str, Any]:
-    """The figures for bench/results/e2e.json; every null has its reason under ``notes``."""
+def headline(
+    summary: list[dict[str, Any]], adult: dict[str, Any] | None, hybrid: str = HYBRID, sync: str = SYNC
+) -> dict[str, Any]:
+    """The figures for bench/results/e2e.json; every null has its reason under ``notes``.
+    ``hybrid`` / ``sync`` label the headline hybrid configuration and its synchronous reference."""
     get = {
         (mlp, name): find(summary, mlp, label)
         for mlp in ("mlp400", "ffnn")
-        for name, label in (("hybrid", HYBRID), ("sync", SYNC))
+        for name, label in (("hybrid", hybrid), ("sync", sync))
     }
     for mlp in ("mlp400", "ffnn"):
         get[mlp, "baseline"] = baseline(summary, mlp)
@@ -150,21 +180,23 @@ def headline(summary: list[dict[str, Any]], adult: dict[str, Any] | None) -> dic
     sps, auc = "sps_median", "auc_mean"
     adult = adult or {}
     figures: dict[str, tuple[Any, list[tuple[str, dict[str, Any] | None, str]]]] = {
-        "ratio_mlp400": (ratio(h4, b4), [(HYBRID, h4, sps), (BASELINE, b4, sps)]),
-        "ratio_ffnn": (ratio(hF, bF), [(f"ffnn {HYBRID}", hF, sps), (f"ffnn {BASELINE}", bF, sps)]),
-        "auc_gap_hybrid_sync": (paired_gap(h4, s4), [(HYBRID, h4, auc), (SYNC, s4, auc)]),
+        "ratio_mlp400": (ratio(h4, b4), [(hybrid, h4, sps), (BASELINE, b4, sps)]),
+        "ratio_ffnn": (ratio(hF, bF), [(f"ffnn {hybrid}", hF, sps), (f"ffnn {BASELINE}", bF, sps)]),
+        "auc_gap_hybrid_sync": (paired_gap(h4, s4), [(hybrid, h4, auc), (sync, s4, auc)]),
         "adult_auc": ((adult.get("result") or {}).get("auc") if adult.get("status") == "ok" else None, []),
         "baseline_sps_mlp400": (b4[sps] if b4 else None, [(BASELINE, b4, sps)]),
-        "hybrid_sps_mlp400": (h4[sps] if h4 else None, [(HYBRID, h4, sps)]),
-        "auc_gap_baseline_sync": (paired_gap(b4, s4), [(BASELINE, b4, auc), (SYNC, s4, auc)]),
+        "hybrid_sps_mlp400": (h4[sps] if h4 else None, [(hybrid, h4, sps)]),
+        "auc_gap_baseline_sync": (paired_gap(b4, s4), [(BASELINE, b4, auc), (sync, s4, auc)]),
         "baseline_sps_ffnn": (bF[sps] if bF else None, [(f"ffnn {BASELINE}", bF, sps)]),
-        "hybrid_sps_ffnn": (hF[sps] if hF else None, [(f"ffnn {HYBRID}", hF, sps)]),
+        "hybrid_sps_ffnn": (hF[sps] if hF else None, [(f"ffnn {hybrid}", hF, sps)]),
         "torchrec_sps_mlp400": (t4[sps] if t4 else None, [("torchrec", t4, sps)]),
         "baseline_auc_mlp400": (b4[auc] if b4 else None, [(BASELINE, b4, auc)]),
-        "hybrid_auc_mlp400": (h4[auc] if h4 else None, [(HYBRID, h4, auc)]),
-        "sync_auc_mlp400": (s4[auc] if s4 else None, [(SYNC, s4, auc)]),
+        "hybrid_auc_mlp400": (h4[auc] if h4 else None, [(hybrid, h4, auc)]),
+        "sync_auc_mlp400": (s4[auc] if s4 else None, [(sync, s4, auc)]),
     }
     h: dict[str, Any] = {key: value for key, (value, _) in figures.items()}
+    h["hybrid_configuration"] = hybrid
+    h["sync_configuration"] = sync
     h["baseline_mlp400"] = b4["label"] if b4 else None
     h["baseline_ffnn"] = bF["label"] if bF else None
     notes: dict[str, str] = {}

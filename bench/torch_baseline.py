@@ -1,6 +1,7 @@
 """Single-process PyTorch baseline: one fused ``nn.EmbeddingBag`` over all 26 slots (slot ``s`` owns
 rows ``[offset_s, offset_s + V_s]``, IDs mapped to rows through the training vocabulary), the shared
-dense tower, PERSIA-exact sparse Adagrad for the embeddings and a torch optimizer for the dense part.
+dense tower, the embedding PS's sparse Adagrad (torch's formula) for the embeddings and a torch
+optimizer for the dense part.
 
 Run: ``python -m bench.torch_baseline --spec '{"system": "torch", "data_dir": ...}'``; prints one
 ``PERSIA_RESULT {json}`` line (the same contract as our system's trainer).
@@ -30,11 +31,14 @@ from synthetic_ctr.training import (
 )
 
 
-class PersiaAdagrad(torch.optim.Optimizer):
-    """PERSIA's server-side Adagrad on sparse row gradients, exactly (``rust/persia-common/src/optim.rs``):
-    ``w -= lr * g / sqrt(s + eps)`` with the *old* accumulator ``s`` (initialised to
-    ``initial_accumulator_value``), then ``s += g**2``, then clip ``w`` to ``[-bound, bound]``.
-    ``torch.optim.Adagrad`` divides by ``sqrt(s_new) + eps`` instead, hence this class."""
+class SparseAdagrad(torch.optim.Optimizer):
+    """The embedding PS's Adagrad on sparse row gradients, which is ``torch.optim.Adagrad``'s
+    (``persia.embedding_ps.optimizers``): ``s += g**2`` first, then ``w -= lr * g / (sqrt(s) + eps)``
+    with ``s`` starting at ``initial_accumulator_value``, then clip ``w`` to ``[-bound, bound]``
+    (the PS's ``weight_bound``). Same numbers as ``torch.optim.Adagrad`` on a sparse gradient (the
+    tests check it) but only the touched rows are read and written, and it adds the clip; PERSIA's
+    own formula (old accumulator inside the square root) is *not* what our PS does, so it is not
+    what the baseline does either."""
 
     def __init__(self, params, lr=1e-2, initial_accumulator_value=1e-2, eps=1e-10, weight_bound=EMBEDDING_WEIGHT_BOUND):
         super().__init__(params, dict(lr=lr, initial_accumulator_value=initial_accumulator_value, eps=eps, weight_bound=weight_bound))
@@ -50,16 +54,16 @@ class PersiaAdagrad(torch.optim.Optimizer):
                     continue
                 grad = p.grad
                 if not grad.is_sparse:
-                    raise ValueError("PersiaAdagrad expects sparse gradients (EmbeddingBag(sparse=True))")
+                    raise ValueError("SparseAdagrad expects sparse gradients (EmbeddingBag(sparse=True))")
                 grad = grad.coalesce()
                 rows, values = grad.indices()[0], grad.values()
                 acc = self.state[p]["sum"]
-                old = acc.index_select(0, rows)
-                new_w = p.index_select(0, rows).addcdiv_(values, old.add(group["eps"]).sqrt_(), value=-group["lr"])
+                new_acc = acc.index_select(0, rows).addcmul_(values, values)
+                new_w = p.index_select(0, rows).addcdiv_(values, new_acc.sqrt().add_(group["eps"]), value=-group["lr"])
                 if group["weight_bound"] > 0:
                     new_w.clamp_(-group["weight_bound"], group["weight_bound"])
                 p.index_copy_(0, rows, new_w)
-                acc.index_copy_(0, rows, old.addcmul_(values, values))
+                acc.index_copy_(0, rows, new_acc)
         return None
 
 
@@ -84,7 +88,7 @@ class TorchBaseline:
     def __init__(self, spec: RunSpec):
         self.index = VocabIndex(load_vocab(spec.data_dir))
         self.model = FusedEmbeddingModel(self.index.num_rows, parse_hidden(spec.mlp), self.index.oov_rows)
-        self.sparse_opt = PersiaAdagrad([self.model.embedding.weight], lr=spec.embedding_lr)
+        self.sparse_opt = SparseAdagrad([self.model.embedding.weight], lr=spec.embedding_lr)
         self.dense_opt = make_dense_optimizer(self.model.tower.parameters(), spec.dense_optimizer, spec.dense_lr)
 
     def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--spec", required=True, help="RunSpec as JSON")
     spec = RunSpec.model_validate_json(p.parse_args(argv).spec)
-    result = run_training(spec, TorchBaseline, extra={"embedding_optimizer": "PersiaAdagrad (exact)"})
+    result = run_training(spec, TorchBaseline, extra={"embedding_optimizer": "SparseAdagrad (torch.optim.Adagrad formula, as the PS)"})
     print(format_result_line(result), flush=True)
     return 0
 

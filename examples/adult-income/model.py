@@ -1,4 +1,6 @@
-"""PERSIA's adult-income DNN: a dense tower, an embedding tower, and an MLP on both."""
+"""PERSIA's adult-income DNN: a dense tower, an embedding tower, and an MLP on both.
+
+``num_slots`` = 8 categorical + 5 bucketised continuous ID slots (see adult.py)."""
 
 from typing import List
 
@@ -7,7 +9,7 @@ from torch import nn
 
 
 class DNN(nn.Module):
-    def __init__(self, dense_dim: int = 5, num_slots: int = 8, emb_dim: int = 8):
+    def __init__(self, dense_dim: int = 5, num_slots: int = 13, emb_dim: int = 8):
         super().__init__()
         self.dense = nn.Sequential(nn.Linear(dense_dim, 16), nn.BatchNorm1d(16), nn.ReLU())
         self.sparse = nn.Sequential(nn.Linear(num_slots * emb_dim, 128), nn.BatchNorm1d(128), nn.ReLU())

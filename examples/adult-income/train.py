@@ -10,7 +10,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from sklearn.metrics import roc_auc_score  # noqa: E402
 
-from adult import batches, read_split  # noqa: E402
+from adult import ID_SLOTS, batches, read_split  # noqa: E402
 from model import DNN  # noqa: E402
 from persia.ctx import TrainCtx, eval_ctx  # noqa: E402
 from persia.data import DataLoader, IterableDataset, StreamingDataset  # noqa: E402
@@ -54,7 +54,7 @@ def test(model: torch.nn.Module) -> dict:
 
 if __name__ == "__main__":
     setup_seed(3)
-    model = DNN()
+    model = DNN(num_slots=len(ID_SLOTS))
     dense_optimizer = torch.optim.SGD(model.parameters(), lr=float(os.environ.get("DENSE_LR", 0.1)))
     embedding_optimizer = Adagrad(lr=float(os.environ.get("EMBEDDING_LR", 1e-2)))
     loss_fn = torch.nn.BCELoss()

@@ -1,4 +1,4 @@
-"""The baselines' building blocks: PERSIA-exact Adagrad, the fused table, one real training run."""
+"""The baselines' building blocks: the PS's Adagrad (torch's formula), the fused table, one real training run."""
 
 from __future__ import annotations
 
@@ -9,24 +9,52 @@ import pytest
 import torch
 
 from bench.spec import RunSpec
-from bench.torch_baseline import FusedEmbeddingModel, PersiaAdagrad, TorchBaseline
+from bench.torch_baseline import FusedEmbeddingModel, SparseAdagrad, TorchBaseline
 from bench.trainloop import run_training
 from synthetic_ctr.reader import read_chunks
 
 
-def test_persia_adagrad_uses_the_old_accumulator_and_clips():
-    w = torch.nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0], [9.95, 0.0]]))
-    opt = PersiaAdagrad([w], lr=0.1, initial_accumulator_value=0.01, eps=1e-10, weight_bound=10.0)
-    grad = torch.sparse_coo_tensor([[0, 2, 0]], torch.tensor([[0.5, 0.5], [-1.0, 0.0], [0.5, -1.0]]), (3, 2), check_invariants=True)
-    w.grad = grad
+def _sparse_grad(rows, values, shape):
+    return torch.sparse_coo_tensor([rows], torch.tensor(values), shape, check_invariants=True)
+
+
+def test_sparse_adagrad_matches_torch_adagrad_over_several_steps():
+    torch.manual_seed(0)
+    start = torch.randn(6, 4)
+    ours = torch.nn.Parameter(start.clone())
+    ref = torch.nn.Parameter(start.clone())
+    opt = SparseAdagrad([ours], lr=0.1, initial_accumulator_value=0.01, eps=1e-10, weight_bound=0.0)
+    ref_opt = torch.optim.Adagrad([ref], lr=0.1, initial_accumulator_value=0.01, eps=1e-10)
+    for step in range(5):
+        rows = [step % 6, 5, (step * 2) % 6, 5]  # repeated rows are summed (coalesced) first
+        values = torch.randn(4, 4).tolist()
+        ours.grad = _sparse_grad(rows, values, (6, 4))
+        ref.grad = _sparse_grad(rows, values, (6, 4))
+        opt.step()
+        ref_opt.step()
+        assert torch.allclose(ours.data, ref.data, atol=1e-6), step
+        assert torch.allclose(opt.state[ours]["sum"], ref_opt.state[ref]["sum"], atol=1e-6)
+    assert not torch.equal(ours.data, start)
+
+
+def test_sparse_adagrad_is_the_embedding_ps_update_and_clips():
+    """Like for like: the baseline's step is the PS's ``apply_step`` (torch's formula), clip included."""
+    from persia.embedding_ps.optimizers import AdagradConfig, apply_step
+
+    w0 = np.array([[1.0, 2.0], [3.0, 4.0], [9.95, 0.0]], dtype=np.float32)
+    w = torch.nn.Parameter(torch.from_numpy(w0.copy()))
+    opt = SparseAdagrad([w], lr=0.1, initial_accumulator_value=0.01, eps=1e-10, weight_bound=10.0)
+    w.grad = _sparse_grad([0, 2, 0], [[0.5, 0.5], [-1.0, 0.0], [0.5, -1.0]], (3, 2))
     opt.step()
-    g0 = torch.tensor([1.0, -0.5])  # row 0's gradients are summed (coalesced)
-    expected0 = torch.tensor([1.0, 2.0]) - 0.1 * g0 / torch.sqrt(torch.tensor(0.01 + 1e-10))
-    assert torch.allclose(w.data[0], expected0)
+    ps_w, ps_state = w0[[0, 2]].copy(), np.full((2, 2), 0.01, dtype=np.float32)
+    apply_step(AdagradConfig(lr=0.1, initial_accumulator_value=0.01, eps=1e-10), ps_w, ps_state,
+               np.array([[1.0, -0.5], [-1.0, 0.0]], dtype=np.float32), weight_bound=10.0)
+    assert np.allclose(w.data.numpy()[[0, 2]], ps_w, atol=1e-6)
+    assert np.allclose(opt.state[w]["sum"].numpy()[[0, 2]], ps_state, atol=1e-6)
     assert torch.equal(w.data[1], torch.tensor([3.0, 4.0]))  # untouched row
-    assert w.data[2, 0].item() == 10.0  # 9.95 + 1.0 clipped to the weight bound
-    acc = opt.state[w]["sum"]
-    assert torch.allclose(acc[0], 0.01 + g0 * g0) and torch.allclose(acc[1], torch.tensor([0.01, 0.01]))
+    assert w.data[2, 0].item() == 10.0  # 9.95 + 0.1 * 1 / sqrt(1.01) clipped to the weight bound
+    # torch's formula, not PERSIA's: the new accumulator is in the denominator
+    assert abs(w.data[0, 0].item() - (1.0 - 0.1 * 1.0 / (np.sqrt(0.01 + 1.0) + 1e-10))) < 1e-6
     w.grad = torch.zeros(3, 2)
     with pytest.raises(ValueError, match="sparse"):
         opt.step()

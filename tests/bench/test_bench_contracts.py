@@ -96,3 +96,21 @@ def test_unusable_launcher_is_reported_with_its_error(tmp_path, monkeypatch):
     assert persia_local.launcher_unavailable_reason() == "persia-launcher local --help exited 2: local: no such subcommand"
     monkeypatch.setattr(persia_local, "find_launcher", lambda: None)
     assert persia_local.launcher_unavailable_reason() == "persia-launcher is not installed"
+
+
+def test_labels_name_the_staleness_bound_and_thread_setting():
+    assert RunSpec(system="persia-hybrid", data_dir="d").label == "persia-hybrid st=10 ps=1 ew=1"
+    assert RunSpec(system="persia-hybrid", data_dir="d", staleness=2, nn_threads=2).label == "persia-hybrid st=2 ps=1 ew=1 nn-threads=2"
+    assert RunSpec(system="persia-sync", data_dir="d", num_ps=2, num_embedding_workers=2).label == "persia-sync ps=2 ew=2"
+    assert RunSpec(system="torch", data_dir="d", threads=1).label == "torch threads=1"
+    with pytest.raises(ValueError, match="not of system='torch'"):
+        staleness_of(RunSpec(system="torch", data_dir="d"))
+
+
+def test_nn_threads_reach_the_launcher_only_when_set():
+    argv, _ = synthetic_command(RunSpec(system="persia-hybrid", data_dir="d", nn_threads=2), "persia-launcher")
+    assert argv[argv.index("--nn-threads") + 1] == "2"
+    argv, _ = synthetic_command(RunSpec(system="persia-hybrid", data_dir="d"), "persia-launcher")
+    assert "--nn-threads" not in argv  # the launcher's own thread budget
+    with pytest.raises(ValueError, match="nn_threads"):
+        RunSpec(system="persia-hybrid", data_dir="d", nn_threads=0)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from bench.procmem import PeakMemorySampler, classify_role, descendants, summarize
+from bench.procmem import PeakMemorySampler, add_cpu, classify_role, cpu_seconds, descendants, summarize
 
 
 @pytest.mark.parametrize(
@@ -31,6 +31,33 @@ def test_summary_keeps_largest_process_sum_and_count():
     out = summarize([("ps", 100.0), ("ps", 140.0), ("nats", 10.0)])
     assert out["ps"] == {"max_mb": 140.0, "sum_mb": 240.0, "processes": 2}
     assert out["nats"]["processes"] == 1
+
+
+def test_cpu_seconds_add_up_per_role():
+    out = add_cpu(summarize([("ps", 100.0), ("ps", 140.0)]), [("ps", 1.5), ("ps", 2.0), ("nats", 0.25)])
+    assert out["ps"]["cpu_s"] == 3.5 and out["ps"]["max_mb"] == 140.0
+    assert out["nats"]["cpu_s"] == 0.25
+
+
+BUSY = """
+import time
+t = time.process_time()
+while time.process_time() - t < 0.5:
+    pass
+print("done", flush=True)
+input()
+"""
+
+
+def test_cpu_seconds_of_a_busy_process_grow():
+    proc = subprocess.Popen([sys.executable, "-c", BUSY], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "done"  # it has burnt 0.5 s of CPU by now
+        assert 0.4 <= cpu_seconds(proc.pid) < 30
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert cpu_seconds(proc.pid) is None  # gone: no figure rather than a wrong one
 
 
 CHILD = """
@@ -58,6 +85,7 @@ def test_sampler_sees_the_peak_of_every_process_in_the_tree():
         sampler.sample()
         peaks = sampler.result()
         assert peaks["data-loader"]["max_mb"] > 140
+        assert peaks["data-loader"]["cpu_s"] > 0  # touching 150 MB takes CPU time
         assert peaks["other"]["processes"] == 1  # the grandchild, found through its parent
     finally:
         proc.stdin.close()

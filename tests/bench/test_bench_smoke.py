@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.smoke import REQUIRED_KEYS
+from bench.summary import HYBRID, SYNC
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,8 @@ def test_bench_smoke_writes_report_plots_and_headline(tmp_path):
     by_label = {r["label"]: r for r in runs if r["mlp"] == "mlp400"}
     assert by_label["torch threads=1"]["status"] == "ok"
     # our system either ran or is reported as not yet measured, never silently missing
-    hybrid = by_label["persia-hybrid ps=1 ew=1"]
+    hybrid = by_label[HYBRID]  # the smoke profile's headline: staleness 10, the launcher's threads
+    assert SYNC in by_label
     if hybrid["status"] == "ok":
         assert head["hybrid_sps_mlp400"] > 0 and head["auc_gap_hybrid_sync"] is not None
     else:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.e2e_bench import PROFILES, ModelPlan, Profile, SystemPlan, plan_runs
-from bench.summary import HYBRID, SYNC, headline, mean_curve, summarize
+from bench.e2e_bench import LAUNCHER_BUDGET, PROFILES, ModelPlan, Profile, SystemPlan, plan_runs
+from bench.summary import HYBRID, SYNC, headline, hybrid_label, mean_curve, summarize, sync_label
 from synthetic_ctr.manifest import GeneratorConfig
 
 
@@ -35,20 +35,60 @@ def test_runs_are_interleaved_with_seed_per_round():
 
 def test_full_profile_measures_every_configuration_the_issue_asks_for():
     full = PROFILES["full"]
-    labels = {(s.mlp, s.label) for s in plan_runs(full, "d")}
-    for needed in [("mlp400", "torch threads=2"), ("mlp400", "torchrec threads=2"), ("mlp400", HYBRID), ("mlp400", SYNC),
-                   ("mlp400", "persia-hybrid ps=2 ew=2"), ("mlp400", "persia-sync ps=2 ew=2"),
-                   ("ffnn", "torch threads=2"), ("ffnn", HYBRID)]:  # fmt: skip
+    specs = plan_runs(full, "d")
+    labels = {(s.mlp, s.label) for s in specs}
+    hybrid, sync = hybrid_label(full.hybrid_staleness, full.persia_nn_threads), sync_label(full.persia_nn_threads)
+    threads = f" nn-threads={full.persia_nn_threads}" if full.persia_nn_threads else ""
+    for needed in [("mlp400", "torch threads=2"), ("mlp400", "torchrec threads=2"), ("mlp400", hybrid), ("mlp400", sync),
+                   ("mlp400", hybrid_label(10, full.persia_nn_threads)),  # the issue's staleness 10, beside the headline
+                   ("mlp400", f"persia-hybrid st={full.hybrid_staleness} ps=2 ew=2{threads}"),
+                   ("mlp400", f"persia-sync ps=2 ew=2{threads}"),
+                   ("ffnn", "torch threads=2"), ("ffnn", hybrid)]:  # fmt: skip
         assert needed in labels
-    seeds = {s.seed for s in plan_runs(full, "d") if s.label in (HYBRID, SYNC) and s.mlp == "mlp400"}
-    assert seeds == {0, 1, 2}  # the AUC gap is averaged over 3 seeds
+    for label in (hybrid, sync, hybrid_label(10, full.persia_nn_threads)):
+        seeds = {s.seed for s in specs if s.label == label and s.mlp == "mlp400"}
+        assert seeds == {0, 1, 2}  # the AUC gap is averaged over 3 seeds
+    # every run of one model uses the same batch size and data; our system's runs say their bound
+    assert {s.batch_size for s in specs} == {full.batch_size}
+    assert {s.staleness for s in specs if s.system == "persia-hybrid"} == {full.hybrid_staleness, 10}
+    assert all(s.staleness is None and s.nn_threads is None for s in specs if not s.system.startswith("persia"))
+
+
+def test_system_plans_resolve_staleness_and_threads_from_the_profile():
+    prof = Profile(
+        name="t",
+        data=GeneratorConfig(train_rows=10, test_rows=10),
+        models=(ModelPlan("mlp400", 10, 10, (SystemPlan("persia-hybrid"), SystemPlan("persia-hybrid", staleness=10),
+                                              SystemPlan("persia-sync"), SystemPlan("persia-hybrid", nn_threads=LAUNCHER_BUDGET))),),
+        repeats=1, hybrid_staleness=3, persia_nn_threads=2,
+    )  # fmt: skip
+    got = [(s.label, s.staleness, s.nn_threads) for s in plan_runs(prof, "d")]
+    assert got == [
+        ("persia-hybrid st=3 ps=1 ew=1 nn-threads=2", 3, 2),
+        ("persia-hybrid st=10 ps=1 ew=1 nn-threads=2", 10, 2),
+        ("persia-sync ps=1 ew=1 nn-threads=2", None, 2),
+        ("persia-hybrid st=3 ps=1 ew=1", 3, None),  # left to the launcher's thread budget
+    ]
+
+
+def test_headline_uses_the_configuration_it_is_given():
+    runs = [
+        _run("mlp400", "torch threads=2", 0, 100.0, 0.80),
+        _run("mlp400", "persia-hybrid st=2 ps=1 ew=1", 0, 70.0, 0.7990),
+        _run("mlp400", "persia-hybrid st=10 ps=1 ew=1", 0, 90.0, 0.7900),
+        _run("mlp400", SYNC, 0, 40.0, 0.8000),
+    ]
+    h = headline(summarize(runs), None, hybrid=hybrid_label(2))
+    assert h["hybrid_sps_mlp400"] == 70.0 and abs(h["auc_gap_hybrid_sync"] + 0.001) < 1e-12
+    assert h["hybrid_configuration"] == "persia-hybrid st=2 ps=1 ew=1" and h["sync_configuration"] == SYNC
+    assert headline(summarize(runs), None)["hybrid_sps_mlp400"] == 90.0  # the default: staleness 10
 
 
 def _run(mlp, label, seed, sps=None, auc=None, status="ok", reason=None, curve=(), memory=None):
     system = label.split(" ")[0]
     return {
         "mlp": mlp, "label": label, "seed": seed, "status": status, "reason": reason, "wall_seconds": 1.0,
-        "spec": {"system": system}, "memory": memory or {},
+        "loadavg_start": 1.5, "loadavg_end": 2.5, "spec": {"system": system}, "memory": memory or {},
         "result": None if status != "ok" else {"samples_per_sec": sps, "auc": auc, "auc_curve": list(curve)},
     }  # fmt: skip
 
@@ -109,6 +149,14 @@ def test_memory_per_role_is_the_max_over_runs_and_trainer_figure():
     ]
     runs[1]["result"]["peak_rss_mb"] = {"nn-worker": 350.0}
     assert summarize(runs)[0]["memory_mb"] == {"ps": 150.0, "nn-worker": 350.0}
+
+
+def test_cpu_per_role_is_the_median_over_runs_and_load_the_max_seen():
+    runs = [_run("mlp400", HYBRID, k, 1.0, 0.5, memory={"ps": {"max_mb": 1.0, "cpu_s": c}, "other": {"max_mb": 1.0, "cpu_s": 9.0}})
+            for k, c in enumerate((3.0, 1.0, 2.0))]  # fmt: skip
+    runs[2]["loadavg_end"] = 4.0
+    s = summarize(runs)[0]
+    assert s["cpu_s"] == {"ps": 2.0} and s["max_load"] == 4.0
 
 
 def test_baseline_is_the_fastest_thread_count():

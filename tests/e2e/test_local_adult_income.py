@@ -35,8 +35,9 @@ def run_local(tmp_path, *flags: str, env_extra: list[str] = ()) -> tuple[dict, s
 
 def test_adult_income_reaches_persia_auc(tmp_path):
     result, out = run_local(tmp_path, env_extra=[f"PERSIA_CKPT_DIR={tmp_path / 'ckpt'}"])
-    assert result["auc"] >= 0.89, result
-    assert result["train_samples"] == 32561
+    # issue 5's target (PERSIA published 0.8928); one epoch gives ~0.915 with the bucketised slots
+    assert result["auc"] >= 0.90, result
+    assert result["train_samples"] == 32561 and result["train_steps"] == 255  # one epoch of batch 128
     assert "[ps-0]" in out and "[ew-0]" in out and "[nn]" in out
     assert (tmp_path / "ckpt" / "embedding_dump_done").exists()
     assert (tmp_path / "ckpt" / "jit_dense.pt").exists()
@@ -46,7 +47,7 @@ def test_adult_income_with_two_of_every_role(tmp_path):
     result, _ = run_local(tmp_path, "--num-ps", "2", "--num-embedding-workers", "2",
                           "--nproc-per-node", "2", "--num-data-loaders", "2")
     assert result["world_size"] == 2
-    assert result["auc"] >= 0.89, result
+    assert result["auc"] >= 0.90, result
     # 255 batches over 2 ranks: rank 0 trains 127 or 128 of them (uneven tails are cut so DDP stays in step)
     assert result["train_steps"] in (127, 128)
 

@@ -142,3 +142,32 @@ def test_split_by_shard_partitions_every_sign():
     assert sorted(seen.tolist()) == list(range(1000))
     for s, p in enumerate(parts):
         assert (shard_of(signs[p[8]], 3) == s).all()
+
+
+def test_one_id_per_sample_fast_path_matches_the_per_id_reference():
+    """Single-ID slots (every sample one ID, as in Criteo-style data) pool by a plain gather and
+    reduce all slots of a dim at once; repeated IDs within and across slots must still add up."""
+    slots = {"a": spec("a", 3, 0, sqrt_scaling=True), "b": spec("b", 3, 1)}
+    a, b = [[7], [7], [9], [7]], [[1], [2], [1], [1]]
+    (va, oa), (vb, ob) = csr(a), csr(b)
+    features = [{"name": "a", "values": va, "offsets": oa}, {"name": "b", "values": vb, "offsets": ob}]
+    prepared = pipeline.prepare(features, 4, slots, PREFIX_BIT)
+    assert all(s.one_per_sample for s in prepared.slots)
+    rows = lookup_rows(prepared)
+    pooled = pipeline.pool(prepared, rows)
+    rng = np.random.default_rng(0)
+    grads = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(2)]
+    reduced = pipeline.reduce_gradients(prepared, grads)
+    expect = {}
+    for out, samples, s, g in zip(pooled, (a, b), (slots["a"], slots["b"]), grads):
+        for i, (x,) in enumerate(samples):
+            sign = int(add_index_prefix(np.array([x], np.uint64), s.index_prefix, PREFIX_BIT)[0])
+            np.testing.assert_allclose(out["emb"][i], row_of(sign, 3))
+            expect[sign] = expect.get(sign, np.zeros(3)) + g[i]
+    table = prepared.tables[3].tolist()
+    assert reduced.touched[3].all() and len(table) == len(expect) == 4  # 7, 9 in a; 1, 2 in b
+    for sign, total in expect.items():
+        np.testing.assert_allclose(reduced.grads[3][table.index(sign)], total, rtol=1e-6, atol=1e-6)
+    vr, or_ = csr([[1], [], [2, 1], [1]])  # same nnz as the batch size, but not one per sample
+    ragged = pipeline.prepare([{"name": "b", "values": vr, "offsets": or_}], 4, slots, PREFIX_BIT)
+    assert not ragged.slots[0].one_per_sample

@@ -9,7 +9,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from sklearn.metrics import log_loss, roc_auc_score
 
 DenseOptimizer = Literal["adam", "sgd"]
 DEFAULT_DENSE_OPTIMIZER: DenseOptimizer = "adam"
@@ -39,6 +38,8 @@ def eval_schedule(total_batches: int, points: int) -> list[int]:
 
 
 def auc_and_logloss(labels: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
+    from sklearn.metrics import log_loss, roc_auc_score  # here: the data loader never pays for the import
+
     y = np.asarray(labels, dtype=np.float64).reshape(-1)
     p = np.clip(np.asarray(probs, dtype=np.float64).reshape(-1), 1e-7, 1 - 1e-7)
     if y.min() == y.max():
