@@ -31,7 +31,8 @@ def test_sparse_adagrad_matches_torch_adagrad_over_several_steps():
         ours.grad = _sparse_grad(rows, values, (6, 4))
         ref.grad = _sparse_grad(rows, values, (6, 4))
         opt.step()
-        ref_opt.step()
+        with torch.sparse.check_sparse_tensor_invariants(enable=True):  # torch's own sparse tensors, checked
+            ref_opt.step()
         assert torch.allclose(ours.data, ref.data, atol=1e-6), step
         assert torch.allclose(opt.state[ours]["sum"], ref_opt.state[ref]["sum"], atol=1e-6)
     assert not torch.equal(ours.data, start)
