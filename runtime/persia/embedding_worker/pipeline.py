@@ -85,8 +85,13 @@ def prepare(
     batch_size: int,
     slots: dict[str, SlotSpec],
     prefix_bit: int,
+    checked: bool = False,
 ) -> PreparedBatch:
-    """``features``: ``[{"name", "values": uint64[nnz], "offsets": int64[bs+1]}]`` from a data loader."""
+    """``features``: ``[{"name", "values": uint64[nnz], "offsets": int64[bs+1]}]`` from a data loader.
+
+    ``checked``: the CSR arrays already passed :func:`validate_features` (when the batch arrived),
+    so they are not checked a second time on the lookup path.
+    """
     per_slot: list[tuple[SlotSpec, np.ndarray, np.ndarray]] = []
     for feat in features:
         name = feat["name"]
@@ -95,7 +100,8 @@ def prepare(
             raise UnknownSlotError(name, list(slots))
         values = np.asarray(feat["values"])
         offsets = np.asarray(feat["offsets"], dtype=np.int64)
-        _check_csr(name, values, offsets, batch_size)
+        if not checked:
+            _check_csr(name, values, offsets, batch_size)
         if spec.hash_stack_rounds > 0:
             values = hash_stack(values, spec.hash_stack_rounds, spec.hash_stack_embedding_size).ravel()
             offsets = offsets * spec.hash_stack_rounds

@@ -171,7 +171,8 @@ class EmbeddingWorker:
         t0 = time.perf_counter()
         ref = int(req["ref"])
         batch = self.forward_buffer.take(ref)
-        prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit)
+        prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit,
+                                    checked=True)  # validated by on_forward when it arrived
         train = bool(batch.get("requires_grad", True))
         pooled, positions = self._lookup_prepared(prepared, train)
         if train:
