@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> dict:
     peak1 = peak_rss_bytes()
     raw_per_row = 4 * (dim + sw)  # dim * 4 * (1 + state), state = sw / dim
     array_bytes = store.memory_bytes()
-    bytes_per_row = (rss1 - rss0) / rows_n
+    # A small table can fit in memory the allocator already held (RSS does not grow): then fall back
+    # to the store's own array bytes, a lower bound of what it keeps resident.
+    bytes_per_row = (rss1 - rss0) / rows_n if rss1 > rss0 else array_bytes / rows_n
     memory_ratio = bytes_per_row / raw_per_row
     peak_per_row = (peak1 - rss0) / rows_n
     max_rows = int((24 * GIB - rss0) / bytes_per_row)
