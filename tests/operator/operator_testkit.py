@@ -60,6 +60,21 @@ RESOURCES = {
 VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 
 
+def with_changes(tree: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A deep copy of ``tree`` with ``a__b__c=value`` set (``None`` removes the key)."""
+    out = copy.deepcopy(tree)
+    for path, value in changes.items():
+        node = out
+        keys = path.split("__")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        if value is None:
+            node.pop(keys[-1], None)
+        else:
+            node[keys[-1]] = value
+    return out
+
+
 def job_body(name: str = "demo", namespace: str = "ns1", **spec_overrides: Any) -> dict[str, Any]:
     """A small valid PersiaJob (managed NATS, inline configs, all four roles)."""
     spec: dict[str, Any] = {

@@ -9,14 +9,13 @@ which only a real cluster does.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from operator_testkit import REPO, example_body, job_body
+from operator_testkit import REPO, example_body, job_body, with_changes
 
 from persia_operator import constants as C
 from persia_operator.crdgen import crd, crd_yaml
@@ -137,17 +136,7 @@ def test_cel_rules_pass_valid_manifests():
 
 
 def _broken(**changes: Any) -> dict[str, Any]:
-    body = copy.deepcopy(job_body())
-    for path, value in changes.items():
-        node = body
-        keys = path.split("__")
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(keys[-1], None)
-        else:
-            node[keys[-1]] = value
-    return body
+    return with_changes(job_body(), **changes)
 
 
 @pytest.mark.parametrize(

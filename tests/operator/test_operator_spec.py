@@ -3,10 +3,9 @@ reported with the field and the value."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
-from operator_testkit import example_body, job_body
+from operator_testkit import example_body, job_body, with_changes
 
 from persia_operator import constants as C
 from persia_operator.spec import SpecError, parse_spec, validate_job
@@ -41,17 +40,7 @@ def test_wire_form_round_trips():
 
 
 def _spec(**changes):
-    spec = copy.deepcopy(job_body()["spec"])
-    for path, value in changes.items():
-        node = spec
-        keys = path.split("__")
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        if value is None:
-            node.pop(keys[-1], None)
-        else:
-            node[keys[-1]] = value
-    return spec
+    return with_changes(job_body()["spec"], **changes)
 
 
 @pytest.mark.parametrize(
