@@ -39,35 +39,19 @@ def set_condition(
     A terminal condition that is already True is left as it is (sticky).
     """
     value = "True" if status else "False"
-    result = []
-    found = False
-    for cond in conditions:
-        if cond.type != type_:
-            result.append(cond)
-            continue
-        found = True
-        if type_ in C.TERMINAL_CONDITIONS and cond.status == "True":
-            result.append(cond)
-            continue
-        changed = cond.status != value
+    result = [c for c in conditions if c.type != type_]
+    current = next((c for c in conditions if c.type == type_), None)
+    if current is not None and type_ in C.TERMINAL_CONDITIONS and current.status == "True":
+        result.append(current)
+    else:
+        flipped = current is None or current.status != value
         result.append(
             Condition(
                 type=type_,
                 status=value,
                 reason=reason,
                 message=message,
-                last_transition_time=now if changed else cond.last_transition_time,
-                observed_generation=generation,
-            )
-        )
-    if not found:
-        result.append(
-            Condition(
-                type=type_,
-                status=value,
-                reason=reason,
-                message=message,
-                last_transition_time=now,
+                last_transition_time=now if flipped else current.last_transition_time,
                 observed_generation=generation,
             )
         )
