@@ -26,14 +26,21 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from persia.hashing import PS_SHARD_SALT, shard_of
 
-if TYPE_CHECKING:  # pragma: no cover
-    from persia.embedding_ps.store import EmbeddingStore
+
+class ShardedRows(Protocol):
+    """What dumping needs from the store (``EmbeddingStore``), named here so this module does not
+    import the store that imports it."""
+
+    num_shards: int
+
+    def _snapshot_shard(self, k: int) -> list[tuple[Any, tuple]]: ...
+
 
 MAGIC = b"PERSIAEM"
 FORMAT_VERSION = 1
@@ -239,7 +246,7 @@ def read_manifest(path: Path) -> dict:
 
 
 # -- dump ------------------------------------------------------------------------------------------
-def _dump_shard(store: "EmbeddingStore", k: int, rdir: Path, replica_index: int, fsync: bool) -> list[dict]:
+def _dump_shard(store: ShardedRows, k: int, rdir: Path, replica_index: int, fsync: bool) -> list[dict]:
     entries = []
     for table, snap in store._snapshot_shard(k):  # the shard lock is held only inside this call
         signs, weights, state = table.compact_snapshot(snap)
@@ -251,7 +258,7 @@ def _dump_shard(store: "EmbeddingStore", k: int, rdir: Path, replica_index: int,
     return entries
 
 
-def dump_store(store: "EmbeddingStore", directory: Path, replica_index: int, num_workers: int,
+def dump_store(store: ShardedRows, directory: Path, replica_index: int, num_workers: int,
                replica_size: int | None, fsync: bool) -> int:
     """Write every internal shard of ``store`` under ``directory/s<replica_index>``; returns rows."""
     if replica_index < 0:

@@ -1,0 +1,73 @@
+"""What every role's context shares: PERSIA's default logging, the device, and the stack of active
+contexts that ``cnt_ctx()`` (and the NN worker's DataLoader) read."""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import torch
+
+from persia import env
+
+log = logging.getLogger(__name__)
+
+_ctx_stack: list["BaseCtx"] = []
+
+
+def cnt_ctx() -> "BaseCtx | None":
+    """The innermost active context (PERSIA's name)."""
+    return _ctx_stack[-1] if _ctx_stack else None
+
+
+def _role_name() -> str:
+    rank = env.get_rank()
+    if rank is not None:
+        return f"nn-worker-{rank}"
+    return f"data-loader-{env.get_replica_index()}"
+
+
+
+class BaseCtx:
+    def __init__(self, threadpool_worker_size: int = 10, device_id: int | None = None):
+        if not logging.getLogger().handlers:  # a user script that set up no logging: PERSIA's default
+            from persia.logger import setup_logging
+
+            setup_logging(_role_name())
+        self.threadpool_worker_size = threadpool_worker_size
+        if device_id is not None:
+            if not torch.cuda.is_available():
+                raise ValueError(f"device_id={device_id} but CUDA is not available; pass device_id=None for CPU")
+            if not 0 <= device_id < torch.cuda.device_count():
+                raise ValueError(f"device_id={device_id} out of range: {torch.cuda.device_count()} GPUs visible")
+            torch.cuda.set_device(device_id)
+        self.device_id = device_id
+        self.device = torch.device(f"cuda:{device_id}") if device_id is not None else torch.device("cpu")
+        threads = os.environ.get("PERSIA_TORCH_THREADS")
+        if threads:
+            torch.set_num_threads(int(threads))
+
+    def __enter__(self):
+        self._enter()
+        _ctx_stack.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            log.error("leaving %s with an exception:\n%s", type(self).__name__,
+                      "".join(traceback.format_exception(exc_type, exc, tb)))
+        try:
+            self._exit(exc)
+        finally:
+            if _ctx_stack and _ctx_stack[-1] is self:
+                _ctx_stack.pop()
+        return False
+
+    def _enter(self) -> None:
+        pass
+
+    def _exit(self, exc: BaseException | None) -> None:
+        pass
+
+

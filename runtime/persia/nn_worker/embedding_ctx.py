@@ -1,0 +1,244 @@
+"""The NN worker's embedding context: discovers embedding workers and PS replicas, looks
+embeddings up and turns looked-up batches into torch tensors (``prepare_features``/``forward``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
+from typing import Any
+
+import numpy as np
+import torch
+
+from persia import env
+from persia.bus import NatsBus, shared_bus, subject
+from persia.context import BaseCtx, _ctx_stack, cnt_ctx
+from persia.data_loader.batch import PersiaBatch
+from persia.data_loader.wire import id_features_to_wire
+from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
+from persia.embedding_worker.service import discover
+from persia.errors import PersiaError
+from persia.nn_worker.checkpoint import EmbeddingCheckpoints
+from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
+from persia.nn_worker.training_batch import PersiaTrainingBatch
+from persia.rpc import Client
+
+log = logging.getLogger(__name__)
+
+
+class PreprocessMode(Enum):
+    TRAIN = 1
+    EVAL = 2
+    INFERENCE = 3
+
+
+class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
+    """Looks embeddings up and prepares tensors for ``model(non_id_tensors, embedding_tensors)``."""
+
+    is_training = False
+
+    def __init__(
+        self,
+        preprocess_mode: PreprocessMode,
+        model: torch.nn.Module | None = None,
+        embedding_config: EmbeddingConfig | None = None,
+        *args,
+        discovery_deadline_s: float = 600.0,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self.preprocess_mode = preprocess_mode
+        self.model = model
+        self.embedding_config = embedding_config or get_default_embedding_config()
+        self.discovery_deadline_s = discovery_deadline_s
+        self.bus: NatsBus | None = None
+        self.rank = env.get_rank() or 0
+        ws = env.get_world_size()
+        self.world_size = ws if ws is not None else 1
+        self._workers: list[Client] | None = None
+        self._rr = 0
+        self._rr_lock = threading.Lock()
+        self._dump_thread: threading.Thread | None = None
+        self._dump_error: BaseException | None = None
+        self._load_thread: threading.Thread | None = None
+        self._load_error: BaseException | None = None
+        self._permits: threading.BoundedSemaphore | None = None
+
+    # -- discovery --------------------------------------------------------------------------------
+    def _enter(self) -> None:
+        if self.bus is None:
+            self.bus = shared_bus()
+        if self.model is not None:
+            self.model.to(self.device)
+
+    def _worker_clients(self) -> list[Client]:
+        if self._workers is None:
+            parent = next((c for c in reversed(_ctx_stack) if isinstance(c, EmbeddingCtx) and c._workers), None)
+            if parent is not None and parent is not self:
+                self._workers = parent._workers
+            else:
+                entries = discover(self.bus, "ew", self.discovery_deadline_s)
+                self._workers = [Client(e["address"], WORKER_SERVICE) for e in entries]
+        return self._workers
+
+    def _ps_count(self) -> int:
+        info = self.bus.request_retry(subject("ps", "info"), None, deadline_s=self.discovery_deadline_s,
+                                      timeout=2.0, what="discovering PS replicas")
+        return int(info["replica_size"])
+
+    def _ps_all(self, method: str, payload: Any, timeout: float = 3600.0) -> list[Any]:
+        """Call ``method`` on every PS replica in parallel; raise the first failure."""
+        n = self._ps_count()
+        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+            futs = [
+                pool.submit(self.bus.request_retry, subject("ps", method, i), payload,
+                            deadline_s=timeout, timeout=timeout, retry_busy=True, what=f"PS {i} {method}")
+                for i in range(n)
+            ]
+            return [f.result() for f in futs]
+
+    # -- lookups ----------------------------------------------------------------------------------
+    def _attach_permits(self, permits) -> None:
+        self._permits = permits
+
+    def _lookup_message(self, msg: dict, holds_permit: bool) -> PersiaTrainingBatch:
+        worker = int(msg["worker"])
+        try:
+            resp = self._worker_clients()[worker].call("Lookup", {"ref": int(msg["ref"])})
+        except BaseException:
+            if holds_permit and self._permits is not None:
+                self._permits.release()
+            raise
+        return PersiaTrainingBatch(
+            non_id_type_features=[f["data"] for f in msg["non_id"]],
+            non_id_type_feature_names=[f["name"] for f in msg["non_id"]],
+            labels=[f["data"] for f in msg["labels"]],
+            label_names=[f["name"] for f in msg["labels"]],
+            embeddings=resp["slots"],
+            meta=msg.get("meta"),
+            batch_id=int(msg["batch_id"]),
+            ref=int(msg["ref"]),
+            worker=worker,
+            requires_grad=bool(msg.get("requires_grad", True)) and self.is_training,
+            holds_permit=holds_permit,
+        )
+
+    def _next_worker(self) -> Client:
+        workers = self._worker_clients()
+        with self._rr_lock:
+            self._rr = (self._rr + 1) % len(workers)
+            return workers[self._rr]
+
+    def _lookup_batch(self, batch: PersiaBatch) -> PersiaTrainingBatch:
+        """Direct lookup of a local batch (eval/infer datasets): never creates or trains rows."""
+        resp = self._next_worker().call(
+            "LookupDirect", {"batch_size": batch.batch_size, "features": id_features_to_wire(batch)}
+        )
+        return PersiaTrainingBatch(
+            non_id_type_features=[np.asarray(f.data) for f in batch.non_id_type_features],
+            non_id_type_feature_names=[f.name for f in batch.non_id_type_features],
+            labels=[np.asarray(f.data) for f in (batch.labels or [])],
+            label_names=[f.name for f in (batch.labels or [])],
+            embeddings=resp["slots"],
+            meta=batch.meta,
+            batch_id=batch.batch_id,
+        )
+
+    def _release_refs(self, msgs: list[dict]) -> None:
+        by_worker: dict[int, list[int]] = {}
+        for m in msgs:
+            by_worker.setdefault(int(m["worker"]), []).append(int(m["ref"]))
+        for w, refs in by_worker.items():
+            try:
+                self._worker_clients()[w].call("Release", {"refs": refs})
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not release %d batches on embedding worker %d: %s", len(refs), w, exc)
+
+    def _release_trained_refs(self, batches: list[PersiaTrainingBatch]) -> None:
+        self._release_refs([{"worker": b.worker, "ref": b.ref} for b in batches if b.ref is not None])
+        for b in batches:
+            if b.holds_permit and self._permits is not None:
+                self._permits.release()
+
+    def _needs_rank_agreement(self, streaming: bool) -> bool:
+        return False
+
+    def _all_ranks_have(self, have: int) -> bool:
+        return bool(have)
+
+    # -- tensors ----------------------------------------------------------------------------------
+    def _tensor(self, arr: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(arr, copy=True)).to(self.device, non_blocking=True)
+
+    def prepare_features(self, batch: PersiaTrainingBatch):
+        """``(non_id_type_feature_tensors, id_type_feature_embedding_tensors, label_tensors)``.
+
+        Summed slots give float32 ``(bs, dim)``; raw slots give ``(bs, sample_fixed_size, dim+1)``
+        whose last channel is the mask, as in PERSIA.
+        """
+        non_id = [self._tensor(x) for x in batch.non_id_type_features]
+        labels = [self._tensor(x) for x in batch.labels] if batch.labels else None
+        requires_grad = batch.requires_grad and self.is_training
+        leaves, emb = [], []
+        for slot in batch.embeddings:
+            if "emb" in slot:
+                leaf = self._tensor(slot["emb"]).requires_grad_(requires_grad)
+                leaves.append(leaf)
+                emb.append(leaf)
+            else:
+                leaf = self._tensor(slot["distinct"]).requires_grad_(requires_grad)
+                index = torch.from_numpy(np.array(slot["index"], dtype=np.int64)).to(self.device)
+                gathered = leaf[index]
+                mask = (index != 0).to(gathered.dtype).unsqueeze(-1)
+                leaves.append(leaf)
+                emb.append(torch.cat([gathered, mask], dim=-1))
+        batch.emb_leaves = leaves
+        if requires_grad:
+            self._current_batch = batch
+        return non_id, emb, labels
+
+    def forward(self, batch: PersiaTrainingBatch):
+        """``(model_output, label_tensors)``, PERSIA's contract."""
+        if self.model is None:
+            raise PersiaError(f"{type(self).__name__} has no model: pass model=... to use forward()")
+        non_id, emb, labels = self.prepare_features(batch)
+        return self._run_model(non_id, emb), labels
+
+    def _run_model(self, non_id, emb):
+        return self.model(non_id, emb)
+
+    # -- direct embedding access ------------------------------------------------------------------
+    def get_embedding_from_data(self, persia_batch: PersiaBatch, device_id: int | None = None) -> PersiaTrainingBatch:
+        return self._lookup_batch(persia_batch)
+
+    def get_embedding_from_bytes(self, data: bytes, device_id: int | None = None) -> PersiaTrainingBatch:
+        return self._lookup_batch(PersiaBatch.from_bytes(data))
+
+    def get_embedding_size(self) -> list[int]:
+        return [int(s["rows"]) for s in self._ps_all("stats", None, timeout=60)]
+
+    def clear_embeddings(self) -> None:
+        self._ps_all("clear", None, timeout=60)
+
+
+def eval_ctx(*args, **kwargs) -> EmbeddingCtx:
+    """Evaluation: lookups never create rows; nothing is trained."""
+    return EmbeddingCtx(PreprocessMode.EVAL, *args, **kwargs)
+
+
+def configure_embedding_parameter_servers(ctx: EmbeddingCtx, config: EmbeddingConfig) -> None:
+    lower, upper = config.emb_initialization
+    ctx._ps_all("configure", {"init_lower": float(lower), "init_upper": float(upper),
+                              "admit_probability": float(config.admit_probability),
+                              "weight_bound": float(config.weight_bound)}, timeout=120)
+
+
+def register_optimizer_on_all_ps(optimizer, ctx: EmbeddingCtx | None = None) -> None:
+    ctx = ctx or cnt_ctx()
+    if not isinstance(ctx, EmbeddingCtx):
+        ctx = EmbeddingCtx(PreprocessMode.TRAIN)
+        ctx._enter()
+    ctx._ps_all("register_optimizer", optimizer.to_wire(), timeout=120)
+

@@ -1,0 +1,35 @@
+"""Inference without NATS: an embedding context that talks straight to given embedding workers."""
+
+from __future__ import annotations
+
+import time
+
+from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
+from persia.nn_worker.embedding_ctx import EmbeddingCtx, PreprocessMode
+from persia.rpc import Client
+
+
+class InferCtx(EmbeddingCtx):
+    """Inference without NATS: talks straight to the given embedding workers (``host:port``)."""
+
+    def __init__(self, embedding_worker_address_list: list[str], *args, **kwargs):
+        super().__init__(PreprocessMode.INFERENCE, *args, **kwargs)
+        if not embedding_worker_address_list:
+            raise ValueError("InferCtx needs at least one embedding worker address")
+        self._workers = [Client(a, WORKER_SERVICE) for a in embedding_worker_address_list]
+
+    def _enter(self) -> None:
+        if self.model is not None:
+            self.model.to(self.device)
+
+    def wait_for_serving(self, deadline_s: float = 300.0) -> None:
+        end = time.monotonic() + deadline_s
+        for c in self._workers:
+            while True:
+                try:
+                    c.call("Stats", None, timeout=2.0)
+                    break
+                except Exception:  # noqa: BLE001
+                    if time.monotonic() > end:
+                        raise
+                    time.sleep(0.2)

@@ -1,0 +1,232 @@
+"""NN-worker data path: datasets that receive batches, and the DataLoader that looks their
+embeddings up ahead of training with bounded staleness (the hybrid algorithm's embedding side).
+
+Pipeline (all threads, bounded queues so memory is bounded by ``forward_buffer_size``)::
+
+    dataset source --(reorder if reproducible)--> dispatcher: acquire staleness permit,
+        submit lookup to a pool of ``num_workers`` --> FIFO of futures --> __next__ (training loop)
+
+Gradients go back from ``TrainCtx.backward``; when the PS has applied them the permit is released,
+so at most ``embedding_staleness`` batches per NN worker are looked up but not yet applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
+
+from persia.context import cnt_ctx
+from persia.errors import PersiaError
+from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
+from persia.nn_worker.lookahead import Lookahead
+from persia.nn_worker.reorder import _reordered
+from persia.nn_worker.training_batch import PersiaTrainingBatch
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+class DataLoader:
+    """PERSIA's DataLoader: iterate inside a ``TrainCtx``/``eval_ctx`` to get looked-up batches.
+
+    ``embedding_staleness=k`` bounds the batches whose embeddings were read but whose gradients are
+    not yet applied on the PS; ``k=1`` gives the synchronous reference (update before next lookup).
+    ``None`` leaves it bounded only by the buffers.
+    """
+
+    def __init__(
+        self,
+        dataset: IterableDatasetBase,
+        forward_buffer_size: int = 10,
+        timeout_ms: int = 1000 * 60 * 10,
+        num_workers: int = 10,
+        reproducible: bool = False,
+        embedding_staleness: int | None = None,
+    ):
+        if forward_buffer_size < 1:
+            raise ValueError(f"forward_buffer_size must be >= 1, got {forward_buffer_size}")
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if embedding_staleness is not None and embedding_staleness < 1:
+            raise ValueError(f"embedding_staleness must be >= 1 or None, got {embedding_staleness}")
+        if timeout_ms <= 0:
+            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        self.dataset = dataset
+        self.forward_buffer_size = forward_buffer_size
+        self.timeout_s = timeout_ms / 1000.0
+        self.num_workers = num_workers
+        self.reproducible = reproducible
+        self.embedding_staleness = embedding_staleness
+
+    def __iter__(self) -> Iterator[PersiaTrainingBatch]:
+        ctx = cnt_ctx()
+        if ctx is None:
+            raise PersiaError("iterate a persia DataLoader inside a TrainCtx / eval_ctx / InferCtx block")
+        return _LoaderIterator(self, ctx)
+
+    def __len__(self) -> int:
+        raise TypeError("a streaming DataLoader has no length")
+
+
+
+class _LoaderIterator:
+    def __init__(self, loader: DataLoader, ctx):
+        self.loader = loader
+        self.ctx = ctx
+        self._out: queue.Queue = queue.Queue(maxsize=loader.forward_buffer_size)
+        self._pool = ThreadPoolExecutor(max_workers=loader.num_workers, thread_name_prefix="persia-forward")
+        self._stop = threading.Event()
+        self._done = False
+        self.streaming = isinstance(loader.dataset, StreamingDataset)
+        train = bool(getattr(ctx, "is_training", False))
+        self._permits = (
+            threading.BoundedSemaphore(loader.embedding_staleness)
+            if (loader.embedding_staleness is not None and train and self.streaming)
+            else None
+        )
+        ctx._attach_permits(self._permits)
+        # Just-in-time lookups for training streams; eval/infer datasets prefetch freely.
+        self._lookahead = Lookahead(loader.forward_buffer_size) if (train and self.streaming) else None
+        self._last_next: float | None = None
+        self._thread = threading.Thread(target=self._dispatch, name="persia-dispatch", daemon=True)
+        self._thread.start()
+
+    # producer
+    def _source(self) -> Iterator[Any]:
+        ds = self.loader.dataset
+        if self.streaming:
+            src = ds.source(self.ctx.bus, self.ctx.rank, self.loader.timeout_s)
+            if self.loader.reproducible:
+                src = _reordered(src, self.ctx.rank, self.ctx.world_size)
+            return src
+        return iter(ds)
+
+    def _acquire_permit(self) -> bool:
+        while not self._permits.acquire(timeout=0.5):
+            if self._stop.is_set():
+                return False
+        return True
+
+    def _dispatch(self) -> None:
+        try:
+            for item in self._source():
+                if self._stop.is_set():
+                    self._release_unlooked(item)
+                    continue
+                if isinstance(item, dict):
+                    if self._lookahead is not None and not self._lookahead.acquire(self._stop):
+                        self._release_unlooked(item)
+                        continue
+                    holds_permit = self._permits is not None and bool(item.get("requires_grad", True))
+                    if holds_permit and not self._acquire_permit():
+                        self._release_unlooked(item)
+                        continue
+                    fut = self._pool.submit(self._timed_lookup, item, holds_permit)
+                else:
+                    fut = self._pool.submit(self.ctx._lookup_batch, item)
+                self._put(fut)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            failed: Future = Future()
+            failed.set_exception(exc)
+            self._put(failed, force=True)
+            return
+        self._put(_END, force=True)
+
+    def _timed_lookup(self, item: dict, holds_permit: bool) -> PersiaTrainingBatch:
+        t0 = time.perf_counter()
+        batch = self.ctx._lookup_message(item, holds_permit)
+        if self._lookahead is not None:
+            self._lookahead.record_lookup(time.perf_counter() - t0)
+        return batch
+
+    def _put(self, item: Any, force: bool = False) -> None:
+        while True:
+            try:
+                self._out.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                if self._stop.is_set() and not force:
+                    if isinstance(item, Future):  # looked up but nobody will train it: hand back
+                        item.add_done_callback(self._discard_future)
+                    return
+
+    def _discard_future(self, fut: Future) -> None:
+        if fut.exception() is None:
+            self._discard(fut.result())
+
+    def _release_unlooked(self, item: Any) -> None:
+        if isinstance(item, dict):
+            self.ctx._release_refs([item])
+
+    # consumer
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PersiaTrainingBatch:
+        if self._done:
+            raise StopIteration
+        now = time.perf_counter()
+        if self._lookahead is not None and self._last_next is not None:
+            self._lookahead.record_step(now - self._last_next)  # the training step just done
+        item = self._next_item()
+        self._last_next = time.perf_counter()
+        if self._lookahead is not None and item is not _END:
+            self._lookahead.release()
+        if self.ctx._needs_rank_agreement(self.streaming):
+            have = 0 if item is _END else 1
+            if not self.ctx._all_ranks_have(have):
+                if item is not _END:
+                    self._discard(item)
+                self._finish(drain=True)
+                raise StopIteration
+        if item is _END:
+            self._finish()
+            raise StopIteration
+        return item
+
+    def _next_item(self):
+        try:
+            fut = self._out.get(timeout=self.loader.timeout_s + 5)
+        except queue.Empty:
+            self._finish()
+            raise TimeoutError(f"no looked-up batch within {self.loader.timeout_s:.0f}s") from None
+        if fut is _END:
+            return _END
+        try:
+            return fut.result()
+        except BaseException:
+            self._finish()
+            raise
+
+    def _discard(self, batch: PersiaTrainingBatch) -> None:
+        self.ctx._release_trained_refs([batch])
+
+    def _finish(self, drain: bool = False) -> None:
+        """Stop the pipeline; with ``drain``, hand back every batch already pulled from the stream."""
+        self._done = True
+        self._stop.set()
+        dropped = 0
+        if drain:
+            deadline = time.monotonic() + self.loader.timeout_s
+            while time.monotonic() < deadline:
+                try:
+                    fut = self._out.get(timeout=0.5)
+                except queue.Empty:
+                    if not self._thread.is_alive():
+                        break
+                    continue
+                if fut is _END:
+                    break
+                try:
+                    self._discard(fut.result())
+                    dropped += 1
+                except BaseException:  # noqa: BLE001
+                    pass
+            if dropped:
+                log.warning("dropped %d trailing batches so that every NN rank trains the same number of steps", dropped)
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,243 @@
+"""Hybrid training on the NN worker: dense parameters synchronously (DDP), embedding gradients
+sent back asynchronously, releasing a staleness permit when the PS has applied them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from persia.bus import subject
+from persia.errors import PersiaError
+from persia.nn_worker.embedding_ctx import (
+    EmbeddingCtx,
+    PreprocessMode,
+    configure_embedding_parameter_servers,
+    register_optimizer_on_all_ps,
+)
+from persia.nn_worker.training_batch import PersiaTrainingBatch
+from persia.utils import advertise_host, find_free_port
+
+log = logging.getLogger(__name__)
+
+
+class TrainCtx(EmbeddingCtx):
+    """Hybrid training: dense parameters synchronously (DDP), embeddings asynchronously."""
+
+    is_training = True
+
+    def __init__(
+        self,
+        embedding_optimizer,
+        dense_optimizer: torch.optim.Optimizer,
+        grad_scalar_update_factor: float = 4,
+        backward_buffer_size: int = 10,
+        backward_workers_size: int = 8,
+        grad_update_buffer_size: int = 60,
+        lookup_emb_directly: bool = True,
+        mixed_precision: bool = True,
+        distributed_option=None,
+        *args,
+        **kwargs,
+    ):
+        super().__init__(PreprocessMode.TRAIN, *args, **kwargs)
+        if self.model is None:
+            raise ValueError("TrainCtx needs model=...")
+        if embedding_optimizer is None or not hasattr(embedding_optimizer, "to_wire"):
+            raise TypeError(f"embedding_optimizer must be a persia.embedding.optim optimizer, got {embedding_optimizer!r}")
+        if grad_scalar_update_factor <= 1:
+            raise ValueError(f"grad_scalar_update_factor must be > 1, got {grad_scalar_update_factor}")
+        self.embedding_optimizer = embedding_optimizer
+        self.dense_optimizer = dense_optimizer
+        self.grad_scalar_update_factor = grad_scalar_update_factor
+        if mixed_precision and self.device.type != "cuda":
+            log.info("mixed_precision needs CUDA; training in float32 on CPU")
+            mixed_precision = False
+        self.mixed_precision = mixed_precision
+        self.grad_scaler = torch.amp.GradScaler("cuda") if mixed_precision else None
+        self.distributed_option = distributed_option
+        self._backward_pool = ThreadPoolExecutor(max_workers=max(1, backward_workers_size),
+                                                 thread_name_prefix="persia-backward")
+        self._backward_slots = threading.BoundedSemaphore(max(1, backward_buffer_size))
+        self._pending: set[Future] = set()
+        self._pending_lock = threading.Lock()
+        self._update_error: BaseException | None = None
+        self._current_batch: PersiaTrainingBatch | None = None
+        self._control_group = None
+        self.trained_batches = 0
+        self.skipped_non_finite = 0
+        self._last_progress = 0.0
+
+    def _enter(self) -> None:
+        super()._enter()
+        self.bus.serve(subject("nn", "info"), lambda _o: {"world_size": self.world_size}, queue="nn",
+                       blocking=False)
+        if self.world_size > 1:
+            self._init_distributed()
+        configure_embedding_parameter_servers(self, self.embedding_config)
+        register_optimizer_on_all_ps(self.embedding_optimizer, self)
+        self._worker_clients()
+        log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
+
+    def _init_distributed(self) -> None:
+        option = self.distributed_option or _default_option(self.device_id)
+        master_addr = option.master_addr
+        if not option.init_with_env_file() and master_addr is None:
+            if self.rank == 0:
+                master_addr = advertise_host()
+                if option.master_port == 23456 and os.environ.get("PERSIA_DDP_FREE_PORT", "1") == "1":
+                    option.master_port = find_free_port("0.0.0.0")
+                info = {"addr": master_addr, "port": option.master_port}
+                self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False)
+                self.bus.flush()
+            else:
+                info = self.bus.request_retry(subject("nn", "master"), None, deadline_s=self.discovery_deadline_s,
+                                              timeout=2.0, what="DDP master address from NN rank 0")
+                master_addr, option.master_port = info["addr"], int(info["port"])
+        self.model, self.dense_optimizer = option.convert2distributed_model(
+            self.model, self.world_size, self.rank, self.device_id, master_addr, self.dense_optimizer
+        )
+        # Step agreement (uneven streams) runs on gloo even when the dense path uses NCCL.
+        self._control_group = torch.distributed.new_group(backend="gloo")
+
+    def _needs_rank_agreement(self, streaming: bool) -> bool:
+        return streaming and self._control_group is not None
+
+    def _all_ranks_have(self, have: int) -> bool:
+        t = torch.tensor([have], dtype=torch.int32)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._control_group)
+        return bool(t.item())
+
+    def _run_model(self, non_id, emb):
+        if self.grad_scaler is not None:
+            with torch.autocast("cuda", dtype=torch.float16):
+                return self.model(non_id, emb)
+        return self.model(non_id, emb)
+
+    # -- backward ---------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, embedding_gradient_check_frequency: int = 20) -> torch.Tensor:
+        """Backprop, send embedding gradients (async), step the dense optimizer synchronously."""
+        self._raise_update_error()
+        batch = self._current_batch
+        if batch is None:
+            raise PersiaError("backward() without a training batch: call ctx.forward(batch) first")
+        self._current_batch = None
+        scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
+        scaled.backward()
+        grads = []
+        non_finite = False
+        for leaf in batch.emb_leaves:
+            if leaf.grad is None:
+                grads.append(None)
+                continue
+            g = leaf.grad.detach().to("cpu", torch.float32).numpy()
+            if not np.isfinite(g).all():
+                non_finite = True
+            grads.append(g)
+        scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
+        self._send_update(batch, grads, scale)
+        if self.grad_scaler is not None:
+            self.grad_scaler.step(self.dense_optimizer)
+            if non_finite:
+                self.grad_scaler.update(scale / self.grad_scalar_update_factor)
+            else:
+                self.grad_scaler.update()
+        else:
+            self.dense_optimizer.step()
+        self.dense_optimizer.zero_grad(set_to_none=True)
+        if non_finite:
+            self.skipped_non_finite += 1
+        self.trained_batches += 1
+        self._report_progress()
+        return scaled
+
+    def _send_update(self, batch: PersiaTrainingBatch, grads: list, scale: float) -> None:
+        self._backward_slots.acquire()
+        client = self._worker_clients()[batch.worker]
+
+        def send():
+            try:
+                client.call("Update", {"ref": batch.ref, "grads": grads, "scale": scale})
+            finally:
+                if batch.holds_permit and self._permits is not None:
+                    self._permits.release()
+                self._backward_slots.release()
+
+        fut = self._backward_pool.submit(send)
+        with self._pending_lock:
+            self._pending.add(fut)
+        fut.add_done_callback(self._update_done)
+
+    def _update_done(self, fut: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(fut)
+        exc = fut.exception()
+        if exc is not None and self._update_error is None:
+            log.error("embedding gradient update failed: %s", exc)
+            self._update_error = exc
+
+    def _raise_update_error(self) -> None:
+        if self._update_error is not None:
+            err, self._update_error = self._update_error, None
+            raise PersiaError(f"an embedding gradient update failed: {err}") from err
+
+    def _wait_for_updates(self) -> None:
+        while True:
+            with self._pending_lock:
+                pending = list(self._pending)
+            if not pending:
+                break
+            for f in pending:
+                f.exception()
+        self._raise_update_error()
+
+    wait_for_pending_updates = _wait_for_updates
+
+    def _report_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress >= 0.5:
+            self._last_progress = now
+            try:
+                self.bus.publish(subject("nn", "progress"), {"rank": self.rank, "trained": self.trained_batches})
+            except Exception:  # noqa: BLE001 - progress is best effort
+                pass
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def dump_checkpoint(self, dst_dir: str, dense_model_filename: str = "dense.pt",
+                        jit_dense_model_filename: str = "jit_dense.pt", opt_filename: str = "opt.pt",
+                        blocking: bool = True, with_jit_model: bool = False) -> None:
+        self._wait_for_updates()
+        directory = self._local_dir(dst_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        torch.save(self.dense_optimizer.state_dict(), directory / opt_filename)
+        super().dump_checkpoint(str(directory), dense_model_filename, jit_dense_model_filename, blocking, with_jit_model)
+
+    def load_checkpoint(self, src_dir: str, map_location: str | None = None, dense_model_filename: str = "dense.pt",
+                        opt_filename: str = "opt.pt", blocking: bool = True) -> None:
+        self._wait_for_updates()
+        directory = self._local_dir(src_dir)
+        opt_path = directory / opt_filename
+        if opt_path.exists():
+            self.dense_optimizer.load_state_dict(
+                torch.load(opt_path, map_location=map_location or self.device, weights_only=True))
+        super().load_checkpoint(str(directory), map_location, dense_model_filename, blocking)
+
+    def _exit(self, exc: BaseException | None) -> None:
+        try:
+            if exc is None:
+                self._wait_for_updates()
+        finally:
+            self._backward_pool.shutdown(wait=exc is None)
+            self.bus.flush()
+
+
+
+def _default_option(device_id):
+    from persia.nn_worker.distributed import get_default_distributed_option
+
+    return get_default_distributed_option(device_id)
