@@ -13,18 +13,29 @@ _job_counter = itertools.count()
 
 
 @pytest.fixture(scope="session")
-def nats_url():
+def nats_server():
+    """The session's nats-server: authenticated, like every NATS PERSIA starts (docs/security.md)."""
     with NatsServer() as server:
-        yield server.url
+        yield server
+
+
+@pytest.fixture(scope="session")
+def nats_url(nats_server):
+    return nats_server.url
 
 
 @pytest.fixture
-def persia_env(nats_url, monkeypatch):
-    """Point this test's PERSIA processes at the session's NATS under a job name of its own."""
+def persia_env(nats_server, monkeypatch):
+    """Point this test's PERSIA processes at the session's NATS under a job name of its own, with
+    its credentials and a job secret of its own (so signed controls are exercised everywhere)."""
     from persia.bus import close_shared_bus
+    from persia.security import new_secret
 
     job = f"t{os.getpid()}x{next(_job_counter)}"
-    monkeypatch.setenv("PERSIA_NATS_URL", nats_url)
+    monkeypatch.setenv("PERSIA_NATS_URL", nats_server.url)
+    for key, value in nats_server.client_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("PERSIA_JOB_SECRET", new_secret())
     monkeypatch.setenv("PERSIA_JOB_NAME", job)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "REPLICA_INDEX", "REPLICA_SIZE"):
         monkeypatch.delenv(var, raising=False)

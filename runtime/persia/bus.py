@@ -21,6 +21,10 @@ import nats
 import nats.errors
 
 from persia.errors import BusyError, RemoteError
+from persia.security import (
+    SIGNATURE_HEADER, NatsAuth, SignatureChecker, Unauthorized, job_secret, needs_signature, redact_url, sign,
+    with_tls_scheme,
+)
 from persia.wire.codec import decode, encode
 
 log = logging.getLogger(__name__)
@@ -48,8 +52,14 @@ def subject(service: str, method: str, replica: int | None = None, job: str | No
 class NatsBus:
     """One NATS connection and its event loop thread, usable from any thread."""
 
-    def __init__(self, url: str | None = None, name: str = "persia", executor_workers: int = 8):
+    def __init__(self, url: str | None = None, name: str = "persia", executor_workers: int = 8,
+                 auth: NatsAuth | None = None, secret: bytes | None = None):
         self.url = url or nats_url()
+        self.auth = NatsAuth.from_env() if auth is None else auth
+        # Controls that destroy state or end training are signed with the job's secret, and only
+        # accepted signed, when one is set (several jobs on one NATS): persia.security.
+        self._secret = job_secret() if secret is None else secret
+        self._checker = SignatureChecker(self._secret) if self._secret else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"nats-{name}", daemon=True)
         self._thread.start()
@@ -58,15 +68,25 @@ class NatsBus:
         self.nc = self.run(self._connect(name))
 
     async def _connect(self, name: str):
-        servers = [u if "://" in u else f"nats://{u}" for u in self.url.split(",")]
-        return await nats.connect(
-            servers,
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-            allow_reconnect=True,
-        )
+        servers = with_tls_scheme([u if "://" in u else f"nats://{u}" for u in self.url.split(",")], self.auth)
+
+        async def on_error(exc: Exception) -> None:
+            # nats-py's default prints the exception; ours never shows the URL's credentials.
+            log.warning("NATS %s: %s", redact_url(self.url), exc)
+
+        try:
+            return await nats.connect(
+                servers,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=5,
+                allow_reconnect=True,
+                error_cb=on_error,
+                **self.auth.connect_kwargs(),
+            )
+        except Exception as exc:
+            raise ConnectionError(f"cannot connect to NATS at {redact_url(self.url)}: {type(exc).__name__}: {exc}") from None
 
     # -- plumbing ---------------------------------------------------------------------------------
     def run(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
@@ -87,7 +107,7 @@ class NatsBus:
                 f"{self.nc.max_payload}; raise max_payload (<= 64 MiB) or send smaller batches",
                 kind="payload",
             )
-        msg = await self.nc.request(subj, payload, timeout=timeout)
+        msg = await self.nc.request(subj, payload, timeout=timeout, headers=self._headers(subj, payload))
         reply = decode(msg.data)
         if "ok" in reply:
             return reply["ok"]
@@ -138,8 +158,14 @@ class NatsBus:
             time.sleep(wait)
             backoff = min(max_backoff, backoff * 2)
 
+    def _headers(self, subj: str, payload: bytes) -> dict[str, str] | None:
+        if self._secret is None or not needs_signature(subj):
+            return None
+        return {SIGNATURE_HEADER: sign(self._secret, subj, payload)}
+
     def publish(self, subj: str, obj: Any) -> None:
-        self.run(self.nc.publish(subj, encode(obj)))
+        payload = encode(obj)
+        self.run(self.nc.publish(subj, payload, headers=self._headers(subj, payload)))
 
     # -- server side ------------------------------------------------------------------------------
     def serve(
@@ -149,22 +175,34 @@ class NatsBus:
         *,
         queue: str = "",
         blocking: bool = True,
+        schema: Any = None,
     ) -> Any:
         """Answer requests on ``subj`` with ``handler(obj)``.
 
-        ``blocking`` handlers run on the bus's thread pool so they may wait (e.g. for buffer
-        space) without stalling other subscriptions; messages of one subscription are still
-        handled in order, which keeps per-sender ordering.
+        ``schema`` (a :mod:`persia.messages` model) checks every message before the handler sees
+        it: a missing or wrong-typed field is answered with an error naming it, and the role keeps
+        serving. Subjects of signed controls (:data:`persia.security.SIGNED_METHODS`) are checked
+        against the job secret first when one is set. ``blocking`` handlers run on the bus's
+        thread pool so they may wait (e.g. for buffer space) without stalling other subscriptions;
+        messages of one subscription are still handled in order, which keeps per-sender ordering.
         """
+        from persia.messages import MessageError, validate
+
+        checker = self._checker if needs_signature(subj) else None
 
         async def cb(msg):
             try:
-                obj = decode(msg.data)
+                if checker is not None:
+                    checker.check(msg.subject, msg.data, (msg.headers or {}).get(SIGNATURE_HEADER))
+                obj = validate(schema, decode(msg.data), subj)
                 if blocking:
                     result = await self._loop.run_in_executor(self._executor, handler, obj)
                 else:
                     result = handler(obj)
                 reply = {"busy": True} if result is BUSY else {"ok": result}
+            except (Unauthorized, MessageError) as exc:
+                _rejected(str(exc))
+                reply = {"error": str(exc), "kind": type(exc).__name__}
             except Exception as exc:  # noqa: BLE001 - every failure is answered, not swallowed
                 if not isinstance(exc, (ValueError, KeyError, TypeError, LookupError)):
                     log.exception("handler for %s failed", subj)
@@ -182,12 +220,15 @@ class NatsBus:
             self._subs.remove(sub)
             self.run(sub.unsubscribe())
 
-    def subscribe_events(self, subj: str, handler: Callable[[Any], None]) -> None:
+    def subscribe_events(self, subj: str, handler: Callable[[Any], None], schema: Any = None) -> None:
         """Fire-and-forget messages (progress, notifications); handler runs on the loop thread."""
+        from persia.messages import validate
 
         async def cb(msg):
             try:
-                handler(decode(msg.data))
+                handler(validate(schema, decode(msg.data), subj))
+            except ValueError as exc:
+                _rejected(f"{subj}: {exc}")
             except Exception:  # noqa: BLE001
                 log.exception("event handler for %s failed", subj)
 
@@ -206,6 +247,17 @@ class NatsBus:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+_last_rejection = [0.0]
+
+
+def _rejected(what: str) -> None:
+    """Log refused messages, at most one line a second (a flood must not flood the log)."""
+    now = time.monotonic()
+    if now - _last_rejection[0] >= 1.0:
+        _last_rejection[0] = now
+        log.warning("refused message: %s", what)
 
 
 _shared: NatsBus | None = None

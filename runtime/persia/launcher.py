@@ -218,7 +218,12 @@ def _load_configs(args, need_embedding: bool):
 
 
 def _bind_host() -> str:
-    return os.environ.get("PERSIA_BIND_HOST", "0.0.0.0")
+    from persia.security import DEFAULT_BIND_ADDRESS, bind_address
+
+    host = bind_address()
+    if host == DEFAULT_BIND_ADDRESS:
+        log.warning("listening on all interfaces: set PERSIA_BIND_ADDRESS to this host's address (docs/security.md)")
+    return host
 
 
 def run_embedding_worker(args) -> int:

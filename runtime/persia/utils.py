@@ -41,10 +41,16 @@ def dump_yaml(content: Any, path: str) -> None:
 
 
 def advertise_host() -> str:
-    """The address other roles reach this process on (``PERSIA_ADVERTISE_HOST`` or the hostname's)."""
+    """The address other roles reach this process on: ``PERSIA_ADVERTISE_HOST``, else the bind
+    address when it is one address (``PERSIA_BIND_ADDRESS``), else the hostname's."""
+    from persia.security import bind_address
+
     host = os.environ.get("PERSIA_ADVERTISE_HOST")
     if host:
         return host
+    bound = bind_address()
+    if bound not in ("0.0.0.0", "::"):
+        return bound
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

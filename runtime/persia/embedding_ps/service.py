@@ -10,11 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from persia import messages as M
 from persia import rpc
 from persia.bus import NatsBus, subject
 from persia.embedding_ps.optimizers import optimizer_from_wire
 from persia.embedding_ps.store import EmbeddingStore, HyperParameters
 from persia.metrics import Metrics, register_stats, start_exporter
+from persia.security import check_under_root, checkpoint_root
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,9 @@ class EmbeddingParameterServer:
         self._server, self.port = rpc.serve(
             SERVICE,
             {
-                "Lookup": self.lookup,
-                "Update": self.update,
-                "Stats": lambda _r: self.stats(),
+                "Lookup": (self.lookup, M.PsLookup),
+                "Update": (self.update, M.PsUpdate),
+                "Stats": (lambda _r: self.stats(), M.NoPayload),
             },
             port,
             host=host,
@@ -72,7 +74,7 @@ class EmbeddingParameterServer:
         self.applier = None
         if global_config.common_config.job_type == "Infer":
             if ic.embedding_checkpoint:
-                self.load({"dir": ic.embedding_checkpoint})
+                self._load_dir(Path(ic.embedding_checkpoint))  # from the config, not the network
             self._configured = True
             if pc.incremental_dir and pc.enable_incremental_update:
                 # PERSIA's inference PS scans the training PS's incremental dumps every 10 s.
@@ -88,15 +90,16 @@ class EmbeddingParameterServer:
     def _register_nats(self, bus: NatsBus) -> None:
         me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
         i = self.replica_index
-        bus.serve(subject("ps", "address", i), lambda _o: me, blocking=False)
-        bus.serve(subject("ps", "info"), lambda _o: me, queue="ps", blocking=False)
-        bus.serve(subject("ps", "configure", i), self.configure)
-        bus.serve(subject("ps", "register_optimizer", i), self.register_optimizer)
-        bus.serve(subject("ps", "dump", i), self.dump)
-        bus.serve(subject("ps", "load", i), self.load)
-        bus.serve(subject("ps", "status", i), lambda _o: self.status(), blocking=False)
-        bus.serve(subject("ps", "stats", i), lambda _o: self.stats())
-        bus.serve(subject("ps", "clear", i), self.clear)
+        none = M.NoPayload
+        bus.serve(subject("ps", "address", i), lambda _o: me, blocking=False, schema=none)
+        bus.serve(subject("ps", "info"), lambda _o: me, queue="ps", blocking=False, schema=none)
+        bus.serve(subject("ps", "configure", i), self.configure, schema=M.Configure)
+        bus.serve(subject("ps", "register_optimizer", i), self.register_optimizer, schema=M.RegisterOptimizer)
+        bus.serve(subject("ps", "dump", i), self.dump, schema=M.CheckpointDir)
+        bus.serve(subject("ps", "load", i), self.load, schema=M.CheckpointDir)
+        bus.serve(subject("ps", "status", i), lambda _o: self.status(), blocking=False, schema=none)
+        bus.serve(subject("ps", "stats", i), lambda _o: self.stats(), schema=none)
+        bus.serve(subject("ps", "clear", i), self.clear, schema=none)
         if i == 0:  # replica indices for Deployment-run roles (online training)
             from persia.rendezvous import RendezvousServer
 
@@ -132,21 +135,30 @@ class EmbeddingParameterServer:
             self._status = {"state": "idle", "error": None}
         return {"done": True, "rows": len(self.store)}
 
+    def _checkpoint_path(self, path: str) -> Path:
+        """Paths sent over NATS must lie under the checkpoint root (persia.security)."""
+        return check_under_root(path, checkpoint_root())
+
     def dump(self, req: dict) -> dict:
-        directory = Path(req["dir"])
+        directory = self._checkpoint_path(req["dir"])
+        log.info("PS %d: dumping to %s", self.replica_index, directory)
         return self._run_status(
             "dumping",
             lambda: self.store.dump(directory, self.replica_index, self.num_workers, replica_size=self.replica_size),
         )
 
     def load(self, req: dict) -> dict:
-        directory = Path(req["dir"])
+        return self._load_dir(self._checkpoint_path(req["dir"]))
+
+    def _load_dir(self, directory: Path) -> dict:
+        log.info("PS %d: loading from %s", self.replica_index, directory)
         return self._run_status(
             "loading",
             lambda: self.store.load(directory, self.replica_index, self.replica_size, self.num_workers),
         )
 
     def clear(self, _req: Any) -> dict:
+        log.info("PS %d: clearing %d rows", self.replica_index, len(self.store))
         self.store.clear()
         return {"rows": 0}
 

@@ -17,6 +17,7 @@ from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
 from persia.errors import DiscoveryTimeout
 from persia.metrics import Metrics, start_exporter
+from persia import messages as M
 from persia import rpc
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,11 @@ class EmbeddingWorker:
         self._server, self.port = rpc.serve(
             SERVICE,
             {
-                "Lookup": self.lookup,
-                "LookupDirect": self.lookup_direct,
-                "Update": self.update,
-                "Release": self.release,
-                "Stats": lambda _req: self.stats(),
+                "Lookup": (self.lookup, M.WorkerLookup),
+                "LookupDirect": (self.lookup_direct, M.WorkerLookupDirect),
+                "Update": (self.update, M.WorkerUpdate),
+                "Release": (self.release, M.WorkerRelease),
+                "Stats": (lambda _req: self.stats(), M.NoPayload),
             },
             port,
             host="0.0.0.0" if host == "0.0.0.0" else host,
@@ -121,9 +122,9 @@ class EmbeddingWorker:
     # -- NATS -------------------------------------------------------------------------------------
     def _register_nats(self, bus: NatsBus) -> None:
         me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
-        bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False)
-        bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False)
-        bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False)
+        bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False, schema=M.NoPayload)
+        bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False, schema=M.NoPayload)
+        bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False, schema=M.Forward)
         bus.flush()
 
     def on_forward(self, req: dict) -> Any:

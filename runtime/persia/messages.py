@@ -1,0 +1,218 @@
+"""Schemas of every message a role accepts, over NATS and gRPC.
+
+A message is checked here before any handler reads it: a missing or wrong-typed field, an extra
+field, an array of the wrong kind or rank, or a size over the limits below is answered with an
+error naming the field and the value, and the role keeps serving (``persia.bus.NatsBus.serve``,
+``persia.rpc.serve``). Handlers still check what needs the role's state (slot names, dims, CSR
+offsets). Models are strict: no coercion, so the validated message is the message as sent, and a
+new field is added here by whoever adds it to a sender (extra fields are refused, loudly).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+
+MAX_BATCH_SIZE = int(os.environ.get("PERSIA_MAX_BATCH_SIZE", 65535))
+"""Samples per batch (the embedding worker already refused more on the NATS path)."""
+MAX_ARRAY_ELEMENTS = int(os.environ.get("PERSIA_MAX_ARRAY_ELEMENTS", 1 << 28))
+"""Elements of one array in a request (2 GiB of uint64 IDs); also bounds rows x dim of a lookup."""
+MAX_DIM = 1 << 16
+MAX_ITEMS = 1 << 16
+"""Entries of one list (slots, tables, refs)."""
+MAX_NAME = 1024
+
+
+class MessageError(ValueError):
+    """A message that does not match its schema."""
+
+
+def _array(kinds: str, ndim: int | None = None):
+    def check(value: Any) -> np.ndarray:
+        if not isinstance(value, np.ndarray):
+            raise ValueError(f"expected an array, got {type(value).__name__}")
+        if value.dtype.kind not in kinds:
+            raise ValueError(f"expected an array of kind {kinds!r}, got dtype {value.dtype}")
+        if ndim is not None and value.ndim != ndim:
+            raise ValueError(f"expected a {ndim}-D array, got shape {value.shape}")
+        if value.size > MAX_ARRAY_ELEMENTS:
+            raise ValueError(f"array of {value.size} elements exceeds the limit {MAX_ARRAY_ELEMENTS}")
+        return value
+
+    return PlainValidator(check)
+
+
+IdArray = Annotated[Any, _array("u", 1)]
+IndexArray = Annotated[Any, _array("iu", 1)]
+AnyArray = Annotated[Any, _array("biuf")]
+FloatArray = Annotated[Any, _array("f")]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME)]
+Index = Annotated[int, Field(ge=0, le=1 << 62)]
+BatchSize = Annotated[int, Field(ge=1, le=MAX_BATCH_SIZE)]
+Dim = Annotated[int, Field(ge=1, le=MAX_DIM)]
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class NoPayload(_Msg):
+    """Discovery and status requests carry nothing (None, or an empty map)."""
+
+
+# -- NATS: data loader -> embedding worker / NN worker ---------------------------------------------
+class IdFeature(_Msg):
+    name: Name
+    values: IdArray
+    offsets: IndexArray
+
+
+class Forward(_Msg):
+    """``ew.forward.<k>``: a batch's ID features."""
+
+    loader: Index = 0
+    batch_id: Index | None = None
+    batch_size: BatchSize
+    requires_grad: bool = True
+    features: Annotated[list[IdFeature], Field(max_length=MAX_ITEMS)]
+
+
+class NamedArray(_Msg):
+    name: str | None = Field(default=None, max_length=MAX_NAME)
+    data: AnyArray
+
+
+class Batch(_Msg):
+    """``nn.batch.<rank>``: the dense part of a batch and where its ID features wait."""
+
+    batch_id: Index
+    loader: Index = 0
+    ref: Index
+    worker: Index
+    requires_grad: bool = True
+    non_id: Annotated[list[NamedArray], Field(max_length=MAX_ITEMS)] = []
+    labels: Annotated[list[NamedArray], Field(max_length=MAX_ITEMS)] = []
+    meta: bytes | None = None
+
+
+class EndOfStream(_Msg):
+    """``nn.eos.<rank>``: a data loader is done; it sent ``sent`` batches to this rank."""
+
+    loader: Index
+    loader_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    sent: Index
+    failed: str | None = None
+
+
+class Progress(_Msg):
+    """``nn.progress`` events."""
+
+    rank: Index
+    trained: Index
+
+
+# -- NATS: PS control --------------------------------------------------------------------------------
+class CheckpointDir(_Msg):
+    """``ps.dump.<i>`` / ``ps.load.<i>``; the PS checks the path lies under the checkpoint root."""
+
+    dir: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class Configure(_Msg):
+    """``ps.configure.<i>``: ranges are checked by ``persia.embedding_ps.store.HyperParameters``."""
+
+    init_lower: float = -0.01
+    init_upper: float = 0.01
+    admit_probability: float = 1.0
+    weight_bound: float = 10.0
+
+
+class RegisterOptimizer(BaseModel):
+    """``ps.register_optimizer.<i>``: a ``type`` and that optimizer's fields, which
+    ``optimizer_from_wire`` validates with the optimizer's own (strict, extra-forbidding) model."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class RendezvousClaim(_Msg):
+    role: Name
+    member: Name
+    size: Annotated[int, Field(ge=1, le=1 << 20)]
+
+
+class RendezvousRenew(_Msg):
+    role: Name
+    member: Name
+
+
+# -- gRPC -------------------------------------------------------------------------------------------
+class PsTable(_Msg):
+    dim: Dim
+    signs: IdArray
+
+
+class PsLookup(_Msg):
+    train: bool
+    tables: Annotated[list[PsTable], Field(max_length=MAX_ITEMS)]
+
+
+class PsGradTable(_Msg):
+    dim: Dim
+    signs: IdArray
+    grads: Annotated[Any, _array("f", 2)]
+
+
+class PsUpdate(_Msg):
+    tables: Annotated[list[PsGradTable], Field(max_length=MAX_ITEMS)]
+
+
+class WorkerLookup(_Msg):
+    ref: Index
+
+
+class WorkerLookupDirect(_Msg):
+    batch_size: BatchSize
+    features: Annotated[list[IdFeature], Field(max_length=MAX_ITEMS)]
+
+
+class WorkerUpdate(_Msg):
+    ref: Index
+    grads: Annotated[list[Annotated[Any, _array("f")] | None], Field(max_length=MAX_ITEMS)]
+    scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+
+
+class WorkerRelease(_Msg):
+    refs: Annotated[list[Index], Field(max_length=1 << 20)] = []
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "message"
+        if err["type"] == "missing":
+            parts.append(f"field {loc!r} is missing")
+            continue
+        value = err.get("input")
+        shown = f"array{getattr(value, 'shape', '')}" if isinstance(value, np.ndarray) else repr(value)
+        parts.append(f"field {loc!r}: {err['msg']} (got {shown[:80]})")
+    return "; ".join(parts)
+
+
+def validate(schema: type[BaseModel] | None, obj: Any, where: str = "message") -> Any:
+    """``obj`` itself if it matches ``schema`` (None: no check); MessageError naming the field
+    otherwise. Size limits are checked too (a lookup of 10^12 samples is refused here)."""
+    if schema is None:
+        return obj
+    if obj is None and schema is NoPayload:
+        return obj
+    if not isinstance(obj, dict):
+        raise MessageError(f"{where}: expected a map of fields, got {type(obj).__name__}")
+    try:
+        schema.model_validate(obj)
+    except ValidationError as exc:
+        raise MessageError(f"{where}: {_describe(exc)}") from None
+    return obj

@@ -1,0 +1,118 @@
+"""Pure security decisions: env parsing, URL redaction, signatures, checkpoint roots, schemas."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from persia import messages as M
+from persia.security import (
+    GrpcTls, NatsAuth, SignatureChecker, Unauthorized, bind_address, check_under_root, checkpoint_root,
+    needs_signature, redact_url, sign, with_tls_scheme,
+)
+
+
+def test_redact_url_hides_user_password_and_token():
+    assert redact_url("nats://alice:s3cret@nats:4222") == "nats://***@nats:4222"
+    assert redact_url("tok3n@nats:4222,nats://b:4222") == "nats://***@nats:4222,nats://b:4222"
+    assert redact_url("nats://nats:4222") == "nats://nats:4222"
+    assert "s3cret" not in redact_url("nats://a:s3cret@h1:1,nats://a:s3cret@h2:2")
+
+
+def test_nats_auth_from_env(tmp_path):
+    assert NatsAuth.from_env({}).connect_kwargs() == {}
+    kw = NatsAuth.from_env({"PERSIA_NATS_USER": "u", "PERSIA_NATS_PASSWORD": "p"}).connect_kwargs()
+    assert kw == {"user": "u", "password": "p"}
+    assert NatsAuth.from_env({"PERSIA_NATS_TOKEN": "t"}).connect_kwargs() == {"token": "t"}
+    with pytest.raises(ValueError, match="PERSIA_NATS_PASSWORD"):
+        NatsAuth.from_env({"PERSIA_NATS_USER": "u"})
+    with pytest.raises(ValueError, match="not both"):
+        NatsAuth.from_env({"PERSIA_NATS_USER": "u", "PERSIA_NATS_PASSWORD": "p", "PERSIA_NATS_TOKEN": "t"})
+    with pytest.raises(ValueError, match="PERSIA_NATS_TLS_CA='/nope'"):
+        NatsAuth.from_env({"PERSIA_NATS_TLS_CA": "/nope"})
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    auth = NatsAuth.from_env({"PERSIA_NATS_TLS_CA": str(ca)})
+    assert with_tls_scheme(["nats://h:1", "tls://h:2"], auth) == ["tls://h:1", "tls://h:2"]
+    assert with_tls_scheme(["nats://h:1"], NatsAuth()) == ["nats://h:1"]
+
+
+def test_grpc_tls_from_env_requires_pairs(tmp_path):
+    assert not GrpcTls.from_env({}).enabled
+    cert = tmp_path / "c.pem"
+    cert.write_text("c")
+    with pytest.raises(ValueError, match="set together"):
+        GrpcTls.from_env({"PERSIA_GRPC_TLS_CERT": str(cert)})
+    with pytest.raises(ValueError, match="PERSIA_GRPC_TLS_CA"):
+        GrpcTls(cert=b"c", key=b"k").channel_credentials()
+
+
+def test_bind_address():
+    assert bind_address({}) == "0.0.0.0"
+    assert bind_address({"PERSIA_BIND_HOST": "127.0.0.1"}) == "127.0.0.1"
+    assert bind_address({"PERSIA_BIND_ADDRESS": "10.1.2.3", "PERSIA_BIND_HOST": "127.0.0.1"}) == "10.1.2.3"
+
+
+def test_signed_subjects():
+    assert needs_signature("persia.job.ps.clear.0")
+    assert needs_signature("persia.job.ps.dump.3")
+    assert needs_signature("persia.job.nn.eos.1")
+    assert not needs_signature("persia.job.ps.info")
+    assert not needs_signature("persia.job.nn.batch.0")
+    assert not needs_signature("other.job.ps.clear.0")
+
+
+def test_signature_accepts_once_and_refuses_forgery_replay_staleness():
+    secret = b"k" * 32
+    checker = SignatureChecker(secret)
+    subj, payload = "persia.j.ps.clear.0", b"payload"
+    header = sign(secret, subj, payload, now=1000.0)
+    checker.check(subj, payload, header, now=1001.0)
+    with pytest.raises(Unauthorized, match="replayed"):
+        checker.check(subj, payload, header, now=1002.0)
+    fresh = sign(secret, subj, payload, now=1000.0)
+    for bad_subj, bad_payload, bad_header, why in [
+        (subj, payload, None, "unsigned"),
+        (subj, payload, "garbage", "malformed"),
+        (subj, payload, sign(b"other", subj, payload, now=1000.0), "bad signature"),
+        ("persia.j.ps.clear.1", payload, fresh, "bad signature"),  # another replica
+        ("persia.other.ps.clear.0", payload, fresh, "bad signature"),  # another job
+        (subj, b"changed", fresh, "bad signature"),
+        (subj, payload, sign(secret, subj, payload, now=0.0), "old"),
+    ]:
+        with pytest.raises(Unauthorized, match=why):
+            checker.check(bad_subj, bad_payload, bad_header, now=1001.0)
+
+
+def test_checkpoint_root(tmp_path, monkeypatch):
+    assert checkpoint_root({}) is None
+    assert checkpoint_root({}, config_dir="/c") == "/c"
+    assert checkpoint_root({"PERSIA_CHECKPOINT_DIR": "/d"}, config_dir="/c") == "/d"
+    assert checkpoint_root({"PERSIA_CHECKPOINT_ROOT": "/r", "PERSIA_CHECKPOINT_DIR": "/d"}) == "/r"
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    assert check_under_root(str(root / "a" / "b"), str(root)) == root / "a" / "b"
+    for bad in [str(tmp_path / "elsewhere"), str(root / ".." / "x"), "/etc", "hdfs://nn/x", ""]:
+        with pytest.raises(ValueError):
+            check_under_root(bad, str(root))
+    (root / "link").symlink_to(tmp_path)
+    with pytest.raises(ValueError, match="outside"):
+        check_under_root(str(root / "link" / "x"), str(root))
+
+
+def test_schemas_name_the_field():
+    with pytest.raises(M.MessageError, match="'loader' is missing"):
+        M.validate(M.EndOfStream, {}, "nn.eos")
+    with pytest.raises(M.MessageError, match="'sent'.*'x'"):
+        M.validate(M.EndOfStream, {"loader": 0, "loader_size": 1, "sent": "x"}, "nn.eos")
+    with pytest.raises(M.MessageError, match="expected a map"):
+        M.validate(M.EndOfStream, [1, 2], "nn.eos")
+    with pytest.raises(M.MessageError, match="batch_size.*1000000000000"):
+        M.validate(M.WorkerLookupDirect, {"batch_size": 10**12, "features": []})
+    with pytest.raises(M.MessageError, match="signs"):
+        M.validate(M.PsLookup, {"train": True, "tables": [{"dim": 4, "signs": np.zeros(3, np.float32)}]})
+    with pytest.raises(M.MessageError, match="more.*Extra inputs"):
+        M.validate(M.CheckpointDir, {"dir": "/x", "more": 1})
+    ok = {"loader": 0, "loader_size": 1, "sent": 3, "failed": None}
+    assert M.validate(M.EndOfStream, ok) is ok
+    assert M.validate(M.NoPayload, None) is None
