@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast bench bench-ps bench-smoke crds chart lint images e2e clean
+.PHONY: venv demo test test-faults test-fast bench bench-ps bench-smoke crds chart lint images e2e clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+
+## Fault injection alone (real processes, real signals); also part of `make test`.
+test-faults: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m faults
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"

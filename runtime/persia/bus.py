@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NATS_URL = "nats://persia_nats_service:4222"
 BUSY_MAX_BACKOFF = 0.02
+WAITING_REPORT_S = 30.0
 BUSY = object()
 """Return this from a handler to answer "busy, retry later"."""
 
@@ -47,6 +48,52 @@ def subject(service: str, method: str, replica: int | None = None, job: str | No
     """``persia.<job>.<service>.<method>[.<replica>]`` (design §2)."""
     base = f"persia.{job or job_name()}.{service}.{method}"
     return base if replica is None else f"{base}.{replica}"
+
+
+_CONNECTION_ERRORS = (OSError, nats.errors.UnexpectedEOF, nats.errors.StaleConnectionError)
+
+
+class _Outage:
+    """One warning when the connection drops and one when it is back, whatever happens between:
+    nats-py's default error callback logs a traceback at every reconnect attempt (twice a second
+    for as long as the server is away)."""
+
+    def __init__(self, url: str, name: str):
+        self.url, self.name = url, name
+        self.since: float | None = None
+        self.errors = 0
+        self.closing = False  # our own close() disconnects too; that is no outage
+        self.connected = False  # before the first connection, errors mean "not reachable yet"
+        self.last_report: float | None = None
+
+    async def on_disconnected(self) -> None:
+        if self.since is None and not self.closing:
+            self.since = time.monotonic()
+            self.errors = 0
+            log.warning("%s: lost the NATS connection to %s; reconnecting", self.name, self.url)
+
+    async def on_reconnected(self) -> None:
+        if self.since is not None:
+            log.warning("%s: NATS connection to %s is back after %.1fs (%d failed attempts)",
+                        self.name, self.url, time.monotonic() - self.since, self.errors)
+        self.since = None
+
+    async def on_error(self, exc: Exception) -> None:
+        if not self.connected:
+            # not connected yet (NATS starting, a wrong URL): keep trying, and say so every 30 s
+            self.errors += 1
+            now = time.monotonic()
+            if self.last_report is None or now - self.last_report >= WAITING_REPORT_S:
+                self.last_report = now
+                log.warning("%s: cannot reach NATS at %s yet (%s: %s); still trying (%d attempts)",
+                            self.name, self.url, type(exc).__name__, exc, self.errors)
+            return
+        if self.since is not None or isinstance(exc, _CONNECTION_ERRORS):
+            # expected while reconnecting (and as the first sign of an outage): counted and
+            # reported once when the connection is back
+            self.errors += 1
+            return
+        log.warning("%s: NATS error: %s: %s", self.name, type(exc).__name__, exc)
 
 
 class NatsBus:
@@ -69,24 +116,25 @@ class NatsBus:
 
     async def _connect(self, name: str):
         servers = with_tls_scheme([u if "://" in u else f"nats://{u}" for u in self.url.split(",")], self.auth)
-
-        async def on_error(exc: Exception) -> None:
-            # nats-py's default prints the exception; ours never shows the URL's credentials.
-            log.warning("NATS %s: %s", redact_url(self.url), exc)
-
+        # our callbacks: one warning per outage, and never the URL's credentials
+        outage = self._outage = _Outage(redact_url(self.url), name)
         try:
-            return await nats.connect(
+            nc = await nats.connect(
                 servers,
                 name=name,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 connect_timeout=5,
                 allow_reconnect=True,
-                error_cb=on_error,
+                error_cb=outage.on_error,
+                disconnected_cb=outage.on_disconnected,
+                reconnected_cb=outage.on_reconnected,
                 **self.auth.connect_kwargs(),
             )
         except Exception as exc:
             raise ConnectionError(f"cannot connect to NATS at {redact_url(self.url)}: {type(exc).__name__}: {exc}") from None
+        outage.connected = True
+        return nc
 
     # -- plumbing ---------------------------------------------------------------------------------
     def run(self, coro: Awaitable[Any], timeout: float | None = None) -> Any:
@@ -145,8 +193,9 @@ class NatsBus:
                 if not retry_busy:
                     raise
                 last = exc
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
-                last = exc
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError,
+                    nats.errors.ConnectionReconnectingError) as exc:
+                last = exc  # a peer not there yet, or NATS itself away for a moment: ask again
             # A busy peer has usually already held the request for a while (long poll), so the
             # retry comes soon; a missing peer (not started yet) is polled more slowly.
             wait = min(backoff, BUSY_MAX_BACKOFF) if isinstance(last, BusyError) else backoff
@@ -240,8 +289,10 @@ class NatsBus:
     def close(self) -> None:
         if self._loop.is_closed():
             return
+        self._outage.closing = True
         try:
-            self.run(self.nc.drain(), 10)
+            # draining needs the server; with NATS gone it would only wait out its timeout
+            self.run(self.nc.drain() if self.nc.is_connected else self.nc.close(), 5)
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 
+from persia.procs import spawn
+
 log = logging.getLogger("persia.launcher")
 
 
@@ -121,11 +123,18 @@ def run_nn_worker(args) -> int:
             LOCAL_WORLD_SIZE=str(args.nproc_per_node),
             NPROC_PER_NODE=str(args.nproc_per_node),
         )
-        procs.append(subprocess.Popen(_script_argv(path, f"nn-worker-{env['RANK']}"), env=env))
-    return _supervise(procs)
+        procs.append(spawn(_script_argv(path, f"nn-worker-{env['RANK']}"), env=env, own_session=False))
+    return _supervise(procs, [f"nn-worker rank {args.node_rank * args.nproc_per_node + i}"
+                              for i in range(args.nproc_per_node)])
 
 
-def _supervise(procs: list[subprocess.Popen]) -> int:
+def _supervise(procs: list[subprocess.Popen], names: list[str] | None = None) -> int:
+    """Wait for every child; when one fails, stop the rest and exit as it did: a child killed by
+    signal N gives 128 + N (a shell's convention), so whoever supervises us can tell a killed
+    process from a program error."""
+    from persia.supervisor import describe_exit
+
+    names = names or [f"process {p.pid}" for p in procs]
     done = threading.Event()
     codes: dict[int, int] = {}
 
@@ -146,14 +155,17 @@ def _supervise(procs: list[subprocess.Popen]) -> int:
     while len(codes) < len(procs):
         done.wait()
         done.clear()
-        failed = [c for c in codes.values() if c != 0]
+        failed = [(i, c) for i, c in sorted(codes.items()) if c != 0]
         if failed:
+            i, code = failed[0]
+            print(f"persia-launcher: {names[i]} {describe_exit(code)}; stopping the others", file=sys.stderr,
+                  flush=True)
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
             for p in procs:
                 p.wait()
-            return failed[0] if failed[0] > 0 else 1
+            return 128 - code if code < 0 else code
     return 0
 
 
@@ -164,7 +176,7 @@ def run_data_loader(args) -> int:
     env = dict(os.environ, REPLICA_INDEX=str(args.replica_index), REPLICA_SIZE=str(args.replica_size))
     argv = _script_argv(path, f"data-loader-{args.replica_index}")
     if _rendezvous_keepalive:  # keep renewing the lease: supervise instead of exec
-        return _supervise([subprocess.Popen(argv, env=env)])
+        return _supervise([spawn(argv, env=env, own_session=False)], [f"data loader {args.replica_index}"])
     os.execve(argv[0], argv, env)
     return 0  # not reached
 
@@ -176,8 +188,15 @@ def _serve_forever(role: str, start) -> int:
 
     setup_logging(role)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    serving = threading.Event()
+
+    def on_signal(signum, _frame):
+        stop.set()
+        if not serving.is_set():  # still connecting (NATS unreachable?): nothing to shut down
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     bus_holder: list = []
 
     def make_bus():
@@ -192,6 +211,7 @@ def _serve_forever(role: str, start) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
     server = start(make_bus)
+    serving.set()
     start_exporter()
     stop.wait()
     log.info("%s shutting down", role)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from persia.procs import spawn, stop_in_order
+from persia.supervisor import Action, decide, describe_exit
 from persia.utils import RESULT_PREFIX
 
 
@@ -50,6 +53,11 @@ def add_local_parser(sub) -> None:
     p.add_argument("--nn-threads", type=int, default=None, help="torch threads per NN worker (default: budgeted)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--result-file", default=None, help="write the trainer's PERSIA_RESULT JSON here")
+    p.add_argument("--max-restarts", type=int, default=int(os.environ.get("PERSIA_MAX_RESTARTS", "3")),
+                   help="whole-job restarts after a role is killed or a server exits (default 3; "
+                        "each restart resumes from the latest checkpoint)")
+    p.add_argument("--grace-period", type=float, default=_grace_default(),
+                   help="seconds roles get to shut down on SIGTERM (default PERSIA_GRACE_PERIOD_SECONDS or 30)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every role")
 
 
@@ -162,17 +170,106 @@ def _pump(proc: subprocess.Popen, prefix: str, out: _Output) -> None:
         out.line(prefix, raw.decode(errors="replace").rstrip("\n"))
 
 
-def _stop(procs: dict[str, subprocess.Popen], grace_s: float = 10.0) -> None:
-    for p in procs.values():
-        if p.poll() is None:
-            p.terminate()
-    end = time.monotonic() + grace_s
-    for p in procs.values():
+def _grace_default() -> float:
+    return float(os.environ.get("PERSIA_GRACE_PERIOD_SECONDS", "30"))
+
+
+class LocalJob:
+    """Runs the planned roles and supervises them until the trainer finishes or the job fails.
+
+    Every exit goes through :func:`persia.supervisor.decide`: a role killed by a signal, or a
+    server that exited, restarts the whole job (every role resumes from the latest checkpoint)
+    within ``max_restarts``; a program error fails the job at once, naming the role. A dead
+    nats-server is restarted on the same port and the roles reconnect. Events from processes of an
+    earlier incarnation of the job are ignored.
+    """
+
+    def __init__(self, roles: list[RoleProcess], nats, out: "_Output", job_env: dict[str, str], *,
+                 max_restarts: int, grace_s: float):
+        self.roles, self.nats, self.out, self.job_env = roles, nats, out, job_env
+        self.max_restarts, self.grace_s = max_restarts, grace_s
+        self.kinds = {r.name: r.kind for r in roles}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.events: queue.Queue = queue.Queue()
+        self.generation = 0
+        self.restarts = 0
+
+    # -- processes --------------------------------------------------------------------------------
+    def start_roles(self) -> None:
+        self.generation += 1
+        gen = self.generation
+        for role in self.roles:
+            env = dict(role.env, **self.job_env)  # the NATS URL, its credentials, the job secret
+            p = spawn(role.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            self.procs[role.name] = p
+            self.out.line("local", f"started {role.name} (pid {p.pid})")
+            threading.Thread(target=_pump, args=(p, role.name, self.out), daemon=True).start()
+            threading.Thread(target=lambda p=p, n=role.name: self.events.put(("exit", gen, n, p.wait())),
+                             daemon=True).start()
+
+    def watch_nats(self) -> None:
+        proc = self.nats.process
+        threading.Thread(target=lambda: self.events.put(("nats", proc.wait())), daemon=True).start()
+
+    def stop_roles(self, grace_s: float) -> None:
+        """Trainers and loaders first (they flush updates and checkpoint through the servers)."""
+        by_kind = lambda *kinds: [p for n, p in self.procs.items() if self.kinds[n] in kinds]  # noqa: E731
+        stop_in_order([by_kind("dl", "nn"), by_kind("ew"), by_kind("ps")], grace_s)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> list[str]:
+        """Supervise until done; returns the failures (empty: success)."""
+        self.start_roles()
+        self.watch_nats()
+        while True:
+            event = self.events.get()
+            if event[0] == "signal":
+                signum = event[1]
+                self.out.line("local", f"{signal.Signals(signum).name}: stopping every role")
+                # Ctrl-C means now; SIGTERM (a supervisor's stop) gives roles their grace period.
+                self.stop_roles(min(2.0, self.grace_s) if signum == signal.SIGINT else self.grace_s)
+                return ["interrupted" if signum == signal.SIGINT else "terminated"]
+            if event[0] == "nats":
+                failure = self._on_nats_exit(event[1])
+                if failure:
+                    self.stop_roles(self.grace_s)
+                    return [failure]
+                continue
+            _, gen, name, code = event
+            if gen != self.generation:
+                continue
+            decision = decide(name, self.kinds[name], code, restarts=self.restarts, max_restarts=self.max_restarts)
+            if decision.action is Action.CONTINUE:
+                continue
+            if decision.action is Action.SUCCEED:
+                return self._finish_loaders()
+            self.out.line("local", decision.reason)
+            self.stop_roles(self.grace_s)
+            if decision.action is Action.FAIL:
+                return [decision.reason]
+            self.restarts += 1
+            self.start_roles()
+
+    def _on_nats_exit(self, code: int) -> str | None:
+        self.out.line("local", f"nats-server {describe_exit(code)}; restarting it on {self.nats.url}")
         try:
-            p.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            self.nats.restart()
+        except Exception as exc:  # noqa: BLE001 - any failure to restart ends the job, clearly
+            return f"nats-server {describe_exit(code)} and could not be restarted on {self.nats.url}: {exc}"
+        self.out.line("local", "nats-server is back; roles reconnect")
+        self.watch_nats()
+        return None
+
+    def _finish_loaders(self) -> list[str]:
+        loaders = [n for n, k in self.kinds.items() if k == "dl"]
+        end = time.monotonic() + 30
+        for n in loaders:
+            try:
+                self.procs[n].wait(max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.out.line("local", f"{n} still running after training finished: stopping it")
+        return [f"{n} {describe_exit(self.procs[n].returncode)}" for n in loaders
+                if self.procs[n].poll() not in (None, 0)]
 
 
 def run_local(args) -> int:
@@ -189,62 +286,27 @@ def run_local(args) -> int:
     secret_env = job_env(nats.client_env(), url, dict(os.environ))
     out.line("local", f"nats-server on {url} (authenticated; credentials passed to roles in env); "
                       f"starting {len(roles)} role processes")
-    procs: dict[str, subprocess.Popen] = {}
-    changed = threading.Event()
-    interrupted = threading.Event()
+    job = LocalJob(roles, nats, out, secret_env, max_restarts=args.max_restarts, grace_s=args.grace_period)
+    interrupts: list[int] = []
 
     def on_signal(signum, _frame):
-        interrupted.set()
-        changed.set()
+        interrupts.append(signum)
+        if len(interrupts) > 1:  # a second Ctrl-C: no more waiting
+            for p in job.procs.values():
+                if p.poll() is None:
+                    p.kill()
+        job.events.put(("signal", signum))
 
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)
     progress = _Progress(url, args.job_name, out, enabled=not args.no_progress, env=secret_env)
     t0 = time.monotonic()
-    failed: list[str] = []
     try:
-        for role in roles:
-            env = dict(role.env, **secret_env)
-            p = subprocess.Popen(role.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            procs[role.name] = p
-            out.line("local", f"started {role.name} (pid {p.pid})")
-            threading.Thread(target=_pump, args=(p, role.name, out), daemon=True).start()
-            threading.Thread(target=lambda p=p: (p.wait(), changed.set()), daemon=True).start()
         progress.start()
-        kinds = {r.name: r.kind for r in roles}
-        while True:
-            changed.wait(1.0)
-            changed.clear()
-            if interrupted.is_set():
-                out.line("local", "interrupted: stopping every role")
-                failed.append("interrupted")
-                break
-            for name, p in procs.items():
-                code = p.poll()
-                if code is not None and code != 0 and name not in failed:
-                    failed.append(name)
-                    out.line("local", f"{name} failed with exit code {code}")
-                elif code is not None and kinds[name] in ("ps", "ew"):
-                    if name not in failed:
-                        failed.append(name)
-                        out.line("local", f"server {name} exited unexpectedly (code {code})")
-            if failed:
-                break
-            if procs["nn"].poll() == 0:
-                loaders = [n for n, k in kinds.items() if k == "dl"]
-                end = time.monotonic() + 30
-                while time.monotonic() < end and any(procs[n].poll() is None for n in loaders):
-                    changed.wait(0.5)
-                    changed.clear()
-                for n in loaders:
-                    if procs[n].poll() is None:
-                        out.line("local", f"{n} still running after training finished: stopping it")
-                    elif procs[n].returncode != 0:
-                        failed.append(n)
-                break
+        failed = job.run()
     finally:
         progress.stop()
-        _stop(procs)
+        job.stop_roles(0.0 if interrupts else args.grace_period)
         nats.stop()
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
@@ -252,10 +314,13 @@ def run_local(args) -> int:
     if out.results and args.result_file:
         Path(args.result_file).write_text(json.dumps(out.results[-1], indent=2))
     if failed:
-        out.line("local", f"FAILED ({', '.join(failed)}) after {elapsed:.1f}s")
-        return 130 if "interrupted" in failed else 1
+        out.line("local", f"FAILED ({'; '.join(failed)}) after {elapsed:.1f}s")
+        if failed == ["interrupted"]:
+            return 130
+        return 143 if failed == ["terminated"] else 1
     summary = out.results[-1] if out.results else {}
-    out.line("local", f"done in {elapsed:.1f}s; result: {json.dumps(summary, sort_keys=True)}")
+    restarted = f" after {job.restarts} restart(s)" if job.restarts else ""
+    out.line("local", f"done in {elapsed:.1f}s{restarted}; result: {json.dumps(summary, sort_keys=True)}")
     return 0
 
 

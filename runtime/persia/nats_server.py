@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,11 +39,12 @@ class NatsServer:
     """A nats-server subprocess; ``url`` is known once :meth:`start` returns."""
 
     def __init__(self, max_payload: int = MAX_PAYLOAD_LIMIT, host: str = "127.0.0.1", log_file=None,
-                 auth: bool = True):
+                 auth: bool = True, port: int = -1):
         if not 0 < max_payload <= MAX_PAYLOAD_LIMIT:
             raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD_LIMIT} bytes, got {max_payload}")
         self.max_payload = max_payload
         self.host = host
+        self.port = port  # -1: a free port, chosen by the server at its first start
         self.url: str | None = None
         self.user = "persia" if auth else None
         self.password = secrets.token_hex(24) if auth else None
@@ -55,13 +57,17 @@ class NatsServer:
         text = f"max_payload: {self.max_payload}\n"
         if self.user:
             text += f'authorization {{\n  user: "{self.user}"\n  password: "{self.password}"\n}}\n'
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        if not conf.exists():  # a restart reuses the config (and so the credentials) it wrote first
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
         out = self._log_file if self._log_file is not None else subprocess.DEVNULL
-        self._proc = subprocess.Popen(
-            [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", "-1", "--ports_file_dir", self._dir],
-            stdout=out, stderr=subprocess.STDOUT,
+        from persia.procs import spawn
+
+        # SIGKILL when we die: nothing of a job must outlive its launcher.
+        self._proc = spawn(
+            [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port), "--ports_file_dir", self._dir],
+            stdout=out, stderr=subprocess.STDOUT, parent_death_signal=signal.SIGKILL,
         )
         ports_file = Path(self._dir) / f"nats-server_{self._proc.pid}.ports"
         end = time.monotonic() + deadline_s
@@ -71,6 +77,7 @@ class NatsServer:
             if ports_file.exists():
                 try:
                     self.url = json.loads(ports_file.read_text())["nats"][0]
+                    self.port = int(self.url.rsplit(":", 1)[1])
                     return self.url
                 except (json.JSONDecodeError, KeyError, IndexError):
                     pass  # file being written: poll again
@@ -84,7 +91,18 @@ class NatsServer:
             return {}
         return {"PERSIA_NATS_USER": self.user, "PERSIA_NATS_PASSWORD": self.password}
 
-    def stop(self) -> None:
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self._proc
+
+    def restart(self, deadline_s: float = 20.0) -> str:
+        """Start again on the same port (clients reconnect to the URL they know)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        return self.start(deadline_s)
+
+    def stop(self, remove_files: bool = True) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -92,7 +110,8 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if remove_files:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "NatsServer":
         self.start()

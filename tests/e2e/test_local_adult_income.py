@@ -62,7 +62,7 @@ def test_a_failing_role_fails_the_run(tmp_path):
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 1
-    assert "dl-0 failed with exit code 3" in proc.stdout
+    assert "dl-0 exit code 3: not restarted" in proc.stdout
 
 
 def test_ctrl_c_tears_every_role_down(tmp_path):
@@ -91,7 +91,7 @@ def test_ctrl_c_tears_every_role_down(tmp_path):
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, "".join(lines) + rest
-    assert "interrupted: stopping every role" in rest
+    assert "SIGINT: stopping every role" in rest
     for pid in pids:
         try:
             os.kill(pid, 0)
