@@ -292,7 +292,10 @@ class NatsBus:
         self._outage.closing = True
         try:
             # draining needs the server; with NATS gone it would only wait out its timeout
-            self.run(self.nc.drain() if self.nc.is_connected else self.nc.close(), 5)
+            if self.nc.is_connected:
+                self.run(self.nc.drain(), 3)
+            else:
+                self.run(self.nc.close(), 1)
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
