@@ -34,6 +34,18 @@ class PreprocessMode(Enum):
     INFERENCE = 3
 
 
+def inherited_device_id(device_id: int | None, enclosing: BaseCtx | None) -> int | None:
+    """The device of a new embedding context: ``device_id`` when given, else the enclosing context's.
+
+    PERSIA's device is process-wide (its Rust context is a singleton), so ``eval_ctx(model=m)``
+    opened inside a CUDA ``TrainCtx`` evaluates on that GPU. Without this it moved the model to
+    the CPU, and training after a mid-epoch evaluation failed with a device mismatch.
+    """
+    if device_id is not None or enclosing is None:
+        return device_id
+    return enclosing.device_id
+
+
 class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     """Looks embeddings up and prepares tensors for ``model(non_id_tensors, embedding_tensors)``."""
 
@@ -48,7 +60,8 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         discovery_deadline_s: float = 600.0,
         **kwargs,
     ):
-        super().__init__(*args, **kwargs)
+        device_id = args[1] if len(args) > 1 else kwargs.pop("device_id", None)  # BaseCtx's 2nd argument
+        super().__init__(*args[:1], device_id=inherited_device_id(device_id, cnt_ctx()), **kwargs)
         self.preprocess_mode = preprocess_mode
         self.model = model
         self.embedding_config = embedding_config or get_default_embedding_config()

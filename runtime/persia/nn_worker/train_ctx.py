@@ -116,7 +116,8 @@ class TrainCtx(EmbeddingCtx):
     def _run_model(self, non_id, emb):
         if self.grad_scaler is not None:
             with torch.autocast("cuda", dtype=torch.float16):
-                return self.model(non_id, emb)
+                output = self.model(non_id, emb)
+            return float32_outputs(output)
         return self.model(non_id, emb)
 
     # -- backward ---------------------------------------------------------------------------------
@@ -235,6 +236,23 @@ class TrainCtx(EmbeddingCtx):
             self._backward_pool.shutdown(wait=exc is None)
             self.bus.flush()
 
+
+
+def float32_outputs(output):
+    """Half-precision model outputs as float32, so that the loss runs in float32 outside autocast.
+
+    Under autocast a model ending in ``sigmoid`` returns float16, and ``BCELoss(float16 output,
+    float32 label)`` fails ("Found dtype Float but expected Half": the adult-income example on a
+    GPU); torch also lists BCE among the ops unsafe in float16. Plain tuples, lists and dicts of
+    outputs are converted element by element; anything else is returned as it is.
+    """
+    if isinstance(output, torch.Tensor):
+        return output.float() if output.is_floating_point() and output.dtype != torch.float32 else output
+    if type(output) in (list, tuple):
+        return type(output)(float32_outputs(o) for o in output)
+    if type(output) is dict:
+        return {k: float32_outputs(v) for k, v in output.items()}
+    return output
 
 
 def _default_option(device_id):
