@@ -85,11 +85,15 @@ def test_ctrl_c_on_the_process_group_stops_quietly():
 
 
 def test_role_that_cannot_reach_nats_obeys_sigterm(tmp_path):
-    env = dict(os.environ, PERSIA_NATS_URL="nats://no-such-host.invalid:4222", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PERSIA_NATS_URL="nats://no-such-host.invalid:4222", PYTHONUNBUFFERED="1",
+               PERSIA_BIND_ADDRESS="127.0.0.1")
     proc = subprocess.Popen([sys.executable, "-m", "persia.launcher", "embedding-parameter-server", "--port", "0"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = proc.stdout.readline()  # it says it is waiting, rather than hanging silently
-    assert "cannot reach NATS at nats://no-such-host.invalid:4222 yet" in first, first
+    lines = []
+    while not any("cannot reach NATS" in l for l in lines):  # it says it is waiting, not hanging silently
+        lines.append(proc.stdout.readline())
+        assert lines[-1], "".join(lines)
+    assert "cannot reach NATS at nats://no-such-host.invalid:4222 yet" in lines[-1], lines
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 128 + signal.SIGTERM
     assert not alive(proc.pid)
