@@ -118,19 +118,32 @@ class NatsBus:
         servers = with_tls_scheme([u if "://" in u else f"nats://{u}" for u in self.url.split(",")], self.auth)
         # our callbacks: one warning per outage, and never the URL's credentials
         outage = self._outage = _Outage(redact_url(self.url), name)
+        refused: asyncio.Future = self._loop.create_future()
+
+        async def on_error(exc: Exception) -> None:
+            if not outage.connected and "authorization" in str(exc).lower() and not refused.done():
+                refused.set_result(exc)  # wrong or missing credentials: fail now, do not retry forever
+            await outage.on_error(exc)
+
+        connect = asyncio.ensure_future(nats.connect(
+            servers,
+            name=name,
+            max_reconnect_attempts=-1,  # wait for a NATS that is not up yet (pods start in any order)
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            allow_reconnect=True,
+            error_cb=on_error,
+            disconnected_cb=outage.on_disconnected,
+            reconnected_cb=outage.on_reconnected,
+            **self.auth.connect_kwargs(),
+        ))
+        await asyncio.wait([connect, refused], return_when=asyncio.FIRST_COMPLETED)
+        if not connect.done():
+            connect.cancel()
+            raise ConnectionError(f"NATS at {redact_url(self.url)} refused this client's credentials "
+                                  f"({refused.result()}); see PERSIA_NATS_* in docs/security.md")
         try:
-            nc = await nats.connect(
-                servers,
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=5,
-                allow_reconnect=True,
-                error_cb=outage.on_error,
-                disconnected_cb=outage.on_disconnected,
-                reconnected_cb=outage.on_reconnected,
-                **self.auth.connect_kwargs(),
-            )
+            nc = connect.result()
         except Exception as exc:
             raise ConnectionError(f"cannot connect to NATS at {redact_url(self.url)}: {type(exc).__name__}: {exc}") from None
         outage.connected = True
@@ -306,12 +319,12 @@ class NatsBus:
 _last_rejection = [0.0]
 
 
-def _rejected(what: str) -> None:
-    """Log refused messages, at most one line a second (a flood must not flood the log)."""
+def _rejected(what: str, kind: str = "refused message") -> None:
+    """Log refusals, at most one line a second (a flood must not flood the log)."""
     now = time.monotonic()
     if now - _last_rejection[0] >= 1.0:
         _last_rejection[0] = now
-        log.warning("refused message: %s", what)
+        log.warning("%s: %s", kind, what)
 
 
 _shared: NatsBus | None = None

@@ -73,6 +73,14 @@ def thread_budget(cores: int, nn_procs: int) -> int:
     return max(1, (cores - reserved) // max(1, nn_procs))
 
 
+def _loopback_gloo() -> dict[str, str]:
+    """DDP's gloo pairs listen on the interface named here (else the hostname's address)."""
+    import socket
+
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in names else {}
+
+
 def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = None) -> list[RoleProcess]:
     for flag in ("num_ps", "num_embedding_workers", "nproc_per_node", "num_data_loaders"):
         value = getattr(args, flag)
@@ -90,6 +98,7 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
         PERSIA_ADVERTISE_HOST="127.0.0.1",
         # every listener (gRPC, metrics, DDP master) on loopback only: docs/security.md
         PERSIA_BIND_ADDRESS="127.0.0.1",
+        **_loopback_gloo(),
         PERSIA_EMBEDDING_CONFIG=os.path.abspath(args.embedding_config),
         OMP_NUM_THREADS="1",
         # OpenMP threads that spin while waiting steal the core another role needs right then.

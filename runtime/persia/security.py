@@ -172,9 +172,11 @@ class GrpcTls:
 # -- signed control messages ----------------------------------------------------------------------
 SIGNED_METHODS = frozenset({
     ("ps", "clear"), ("ps", "dump"), ("ps", "load"), ("ps", "configure"), ("ps", "register_optimizer"),
-    ("nn", "eos"),
+    ("nn", "eos"), ("nn", "batch"),
 })
-"""Controls that destroy state, write files or end training: signed when a job secret is set."""
+"""Controls that destroy state, write files, end training or feed it: signed when a job secret is
+set. (``ew.forward`` is not: a forged one only fills a bounded, expiring buffer, and its payload
+is the largest.)"""
 
 SIGNATURE_HEADER = "Persia-Signature"
 MAX_SKEW_S = 300.0

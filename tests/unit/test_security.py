@@ -58,7 +58,8 @@ def test_signed_subjects():
     assert needs_signature("persia.job.ps.dump.3")
     assert needs_signature("persia.job.nn.eos.1")
     assert not needs_signature("persia.job.ps.info")
-    assert not needs_signature("persia.job.nn.batch.0")
+    assert needs_signature("persia.job.nn.batch.0")
+    assert not needs_signature("persia.job.ew.forward.0")
     assert not needs_signature("other.job.ps.clear.0")
 
 

@@ -7,6 +7,7 @@ import queue
 import threading
 from typing import Any, Iterator
 
+from persia import messages as M
 from persia.bus import BUSY, subject
 from persia.data_loader.batch import PersiaBatch
 from persia.errors import DataLoaderFailed, PersiaError
@@ -46,8 +47,8 @@ class StreamingDataset(IterableDatasetBase):
             if self._registered:
                 return
             self._subs = [
-                bus.serve(subject("nn", "batch", rank), self._on_batch),
-                bus.serve(subject("nn", "eos", rank), self._on_eos),
+                bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch),
+                bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
             ]
             bus.flush()
             self._registered = True
@@ -74,6 +75,9 @@ class StreamingDataset(IterableDatasetBase):
         return {"queued": True}
 
     def _on_eos(self, msg: dict) -> Any:
+        # Checked here so a bad one is refused to its sender instead of stopping the trainer.
+        if msg["loader"] >= msg["loader_size"]:
+            raise ValueError(f"end of stream: loader {msg['loader']} out of range for loader_size {msg['loader_size']}")
         # Goes through the same queue so it is seen after every batch that loader sent before it.
         try:
             self._queue.put(("eos", msg), timeout=self.busy_wait_s)

@@ -53,15 +53,40 @@ class DDPOption(DistributedBaseOption):
     def convert2distributed_model(self, model, world_size, rank_id, device_id=None, master_addr=None, optimizer=None):
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("DDPOption(backend='nccl') needs CUDA; use backend='gloo' on CPU")
-        torch.distributed.init_process_group(
-            self.backend, init_method=self.init_method(master_addr), rank=rank_id, world_size=world_size
-        )
+        if self.initialization_method == "tcp":
+            store = self._tcp_store(master_addr, world_size, rank_id)
+            torch.distributed.init_process_group(self.backend, store=store, rank=rank_id, world_size=world_size)
+        else:
+            torch.distributed.init_process_group(
+                self.backend, init_method=self.init_method(master_addr), rank=rank_id, world_size=world_size
+            )
         ddp_kwargs = {"find_unused_parameters": self.options.get("find_unused_parameters", False)}
         if device_id is not None:
             ddp_kwargs["device_ids"] = [device_id]
             ddp_kwargs["output_device"] = device_id
         model = torch.nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
         return model, optimizer
+
+
+    def _tcp_store(self, master_addr: str | None, world_size: int, rank_id: int):
+        """The rendezvous store, its server (rank 0) listening on ``PERSIA_BIND_ADDRESS`` only
+        (torch's ``tcp://`` init listens on every interface)."""
+        import datetime
+        import socket
+
+        from persia.security import bind_address
+
+        addr = master_addr or self.master_addr
+        if not addr:
+            raise ValueError("DDP tcp initialisation needs a master address")
+        timeout = datetime.timedelta(minutes=30)  # torch's default for tcp:// init
+        if rank_id != 0:
+            return torch.distributed.TCPStore(addr, self.master_port, world_size, False, timeout=timeout)
+        bind = bind_address()
+        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+        self._listener = socket.create_server((bind, self.master_port), family=family)
+        return torch.distributed.TCPStore(addr, self.master_port, world_size, True, timeout=timeout,
+                                          master_listen_fd=self._listener.fileno())
 
 
 def get_default_distributed_option(device_id: int | None = None) -> DDPOption:

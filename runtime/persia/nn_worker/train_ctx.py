@@ -21,6 +21,8 @@ from persia.nn_worker.embedding_ctx import (
     register_optimizer_on_all_ps,
 )
 from persia.nn_worker.training_batch import PersiaTrainingBatch
+from persia.messages import NoPayload
+from persia.security import bind_address
 from persia.utils import advertise_host, find_free_port
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class TrainCtx(EmbeddingCtx):
     def _enter(self) -> None:
         super()._enter()
         self.bus.serve(subject("nn", "info"), lambda _o: {"world_size": self.world_size}, queue="nn",
-                       blocking=False)
+                       blocking=False, schema=NoPayload)
         if self.world_size > 1:
             self._init_distributed()
         configure_embedding_parameter_servers(self, self.embedding_config)
@@ -91,9 +93,9 @@ class TrainCtx(EmbeddingCtx):
             if self.rank == 0:
                 master_addr = advertise_host()
                 if option.master_port == 23456 and os.environ.get("PERSIA_DDP_FREE_PORT", "1") == "1":
-                    option.master_port = find_free_port("0.0.0.0")
+                    option.master_port = find_free_port(bind_address())
                 info = {"addr": master_addr, "port": option.master_port}
-                self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False)
+                self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False, schema=NoPayload)
                 self.bus.flush()
             else:
                 info = self.bus.request_retry(subject("nn", "master"), None, deadline_s=self.discovery_deadline_s,
