@@ -22,6 +22,7 @@ class Termination:
     exit_code: int | None
     reason: str | None
     signal: int | None = None
+    finished_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class PodState:
     # Terminated containers of this pod: current state, or the last state of a restart.
     terminations: tuple[Termination, ...] = ()
     waiting: tuple[str, ...] = ()  # waiting reasons, e.g. ImagePullBackOff
+    uid: str | None = None  # a replaced pod of a StatefulSet keeps its name, not its uid
+    started: bool = False  # a container has started (the pod may hold state)
+    disruption_reason: str | None = None  # e.g. PreemptionByScheduler, EvictionByEvictionAPI
+    disrupted_at: str | None = None
+    created: str | None = None
+    deleted_at: str | None = None
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,12 @@ def _pod_from_summary(s: dict[str, Any]) -> PodState:
         restarts=s.get("restarts", 0),
         terminations=tuple(Termination(**t) for t in s.get("terminations", ())),
         waiting=tuple(s.get("waiting", ())),
+        uid=s.get("uid"),
+        started=s.get("started", False),
+        disruption_reason=s.get("disruption_reason"),
+        disrupted_at=s.get("disrupted_at"),
+        created=s.get("created"),
+        deleted_at=s.get("deleted_at"),
     )
 
 
@@ -163,6 +176,8 @@ def summarize(kind: str, body: dict[str, Any]) -> dict[str, Any]:
     }
     if kind == "Pod":
         summary.update(_summarize_pod(status))
+        summary.update(uid=meta.get("uid"), created=meta.get("creationTimestamp"),
+                       deleted_at=meta.get("deletionTimestamp"))  # fmt: skip
     elif kind in ("StatefulSet", "Deployment"):
         summary.update(
             replicas=spec.get("replicas", 1),
@@ -191,9 +206,11 @@ def _summarize_pod(status: dict[str, Any]) -> dict[str, Any]:
     terminations = []
     waiting = []
     restarts = 0
+    started = False
     for cs in status.get("containerStatuses") or []:
         restarts += cs.get("restartCount", 0) or 0
         state = cs.get("state") or {}
+        started = started or bool(state.get("running") or state.get("terminated") or cs.get("restartCount"))
         last = cs.get("lastState") or {}
         term = state.get("terminated") or (last.get("terminated") if cs.get("restartCount") else None)
         if term:
@@ -203,6 +220,7 @@ def _summarize_pod(status: dict[str, Any]) -> dict[str, Any]:
                     "exit_code": term.get("exitCode"),
                     "reason": term.get("reason"),
                     "signal": term.get("signal"),
+                    "finished_at": term.get("finishedAt"),
                 }
             )
         if (state.get("waiting") or {}).get("reason"):
@@ -213,7 +231,10 @@ def _summarize_pod(status: dict[str, Any]) -> dict[str, Any]:
         "message": status.get("message"),
         "ready": ready.get("status") == "True",
         "disrupted": disruption.get("status") == "True",
+        "disruption_reason": disruption.get("reason") if disruption.get("status") == "True" else None,
+        "disrupted_at": disruption.get("lastTransitionTime") if disruption.get("status") == "True" else None,
         "restarts": restarts,
         "terminations": terminations,
         "waiting": waiting,
+        "started": started,
     }

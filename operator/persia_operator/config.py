@@ -16,6 +16,9 @@ class OperatorConfig(BaseModel):
         default_factory=list, description="Namespaces to watch; empty means cluster-wide."
     )
     reconcile_interval: float = Field(10.0, gt=0, description="Seconds between reconcile passes of a job.")
+    nats_probe_interval: float = Field(
+        10.0, gt=0, description="Seconds between probes of a job's NATS (reachability, last checkpoint)."
+    )
     liveness: str | None = Field(
         "http://0.0.0.0:8080/healthz", description="Liveness endpoint URL (None: no endpoint)."
     )

@@ -23,6 +23,8 @@ LABEL_ROLE = "persia.com/role"
 # Which whole-job attempt a workload and its pods belong to (see status.attempt).
 LABEL_ATTEMPT = "persia.com/attempt"
 MANAGED_BY = "persia-operator"
+# spec.managedBy values that mean "this operator" (None too).
+MANAGED_BY_VALUE = "persia.com/operator"
 
 # Operator bookkeeping on the PersiaJob itself (kopf's progress and diff-base).
 ANNOTATION_PREFIX = "persia.com"
@@ -67,6 +69,8 @@ NATS_MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 CONFIG_MOUNT_PATH = "/etc/persia"
 GLOBAL_CONFIG_FILE = "global_config.yml"
 EMBEDDING_CONFIG_FILE = "embedding_config.yml"
+
+GPU_RESOURCE = "nvidia.com/gpu"
 
 MAX_REPLICAS = 1024
 MAX_NATS_REPLICAS = 9

@@ -20,6 +20,7 @@ from . import constants as C
 from .children import summarize
 from .config import OperatorConfig
 from .kube import ApiError, KubeApi
+from .natswatch import NatsWatcher
 from .reconciler import Reconciler
 
 # Child kinds the operator watches: (kind, group, version, plural).
@@ -30,6 +31,7 @@ CHILD_RESOURCES = (
     ("Deployment", "apps", "v1", "deployments"),
     ("Service", "", "v1", "services"),
     ("ConfigMap", "", "v1", "configmaps"),
+    ("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
 )
 INDEX_IDS = tuple(f"persia_{plural}" for _, _, _, plural in CHILD_RESOURCES)
 
@@ -95,7 +97,7 @@ def register(
         return login(**login_kwargs) if login_kwargs else None
 
     api = KubeApi(login=relogin, request_timeout=config.request_timeout)
-    reconciler = Reconciler(api)
+    reconciler = Reconciler(api, nats=NatsWatcher(interval=config.nats_probe_interval))
 
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -111,7 +113,7 @@ def register(
 
     @kopf.on.cleanup(registry=registry)
     async def close(**_: Any) -> None:
-        await reconciler.api.close()
+        await reconciler.close()
 
     @kopf.on.probe(id="reconcile_passes", registry=registry)
     def passes(**_: Any) -> int:

@@ -39,6 +39,19 @@ class ReplicaStatus(_Status):
     ready_ratio: str = Field("0/0", description='"ready/desired", e.g. "3/4".')
 
 
+class CheckpointStatus(_Status):
+    """What NN rank 0 last reported on NATS (persia.<job>.checkpoint.*, CONTRACTS.md)."""
+
+    step: int | None = Field(None, description="Step of the last complete checkpoint.")
+    time: str | None = Field(None, description="When it was written (RFC 3339).")
+    path: str | None = None
+    resumed_from: str | None = Field(
+        None, description="Checkpoint the current attempt resumed from (none: started fresh)."
+    )
+    resumed_attempt: int | None = Field(None, description="Attempt that resumedFrom refers to.")
+    observed_time: str | None = Field(None, description="When the operator last heard of it.")
+
+
 class JobStatus(_Status):
     observed_generation: int | None = None
     phase: str | None = Field(
@@ -54,10 +67,18 @@ class JobStatus(_Status):
         None, description="When the current attempt first became Ready (ends the startup deadline)."
     )
     restart_count: int = Field(0, description="Whole-job restarts after failures (vs backoffLimit).")
+    uncounted_restarts: int = Field(
+        0, description="Whole-job restarts not counted against backoffLimit (preemption, eviction, PS replaced)."
+    )
     attempt: int = Field(
         0, description="Current attempt; bumped by every restart, resume or replica change."
     )
-    nats_url: str | None = Field(None, alias="natsURL")
+    nats_url: str | None = Field(None, alias="natsURL", description="Without credentials.")
+    checkpoint: CheckpointStatus | None = None
+    stateful_pods: dict[str, str] = Field(
+        default_factory=dict,
+        description="role:pod -> uid of the stateful pods started in this attempt (replacement detection).",
+    )
     replica_statuses: dict[str, ReplicaStatus] = Field(default_factory=dict)
     conditions: list[Condition] = Field(default_factory=list)
     accepted_spec: dict[str, Any] | None = Field(

@@ -25,7 +25,14 @@ RESOURCES: dict[str, tuple[str, str, str]] = {
     "StatefulSet": ("apps", "v1", "statefulsets"),
     "Deployment": ("apps", "v1", "deployments"),
     "Job": ("batch", "v1", "jobs"),
+    "Secret": ("", "v1", "secrets"),
+    "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
     C.KIND: (C.GROUP, C.VERSION, C.PLURAL),
+}
+# PodGroups of the two gang schedulers share a kind: their apiVersion tells them apart.
+POD_GROUP_APIS = {
+    "scheduling.volcano.sh/v1beta1": ("scheduling.volcano.sh", "v1beta1", "podgroups"),
+    "scheduling.x-k8s.io/v1alpha1": ("scheduling.x-k8s.io", "v1alpha1", "podgroups"),
 }
 
 
@@ -39,8 +46,9 @@ class ApiError(Exception):
         super().__init__(f"{code} {reason}: {message}")
 
 
-def resource_path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
-    group, version, plural = RESOURCES[kind]
+def resource_path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None,
+                  api_version: str | None = None) -> str:  # fmt: skip
+    group, version, plural = POD_GROUP_APIS[api_version or ""] if kind == "PodGroup" else RESOURCES[kind]
     base = f"/api/{version}" if not group else f"/apis/{group}/{version}"
     path = f"{base}/namespaces/{quote(namespace)}/{plural}"
     if name is not None:
@@ -114,9 +122,9 @@ class KubeApi:
         except TimeoutError as err:
             raise ApiError(None, "Timeout", f"{method} {path} timed out") from err
 
-    async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict[str, Any] | None:
         try:
-            return await self._request("GET", resource_path(kind, namespace, name))
+            return await self._request("GET", resource_path(kind, namespace, name, api_version=api_version))
         except ApiError as err:
             if err.code == 404:
                 return None
@@ -125,7 +133,8 @@ class KubeApi:
     async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
         meta = manifest["metadata"]
         params = {"fieldManager": C.FIELD_MANAGER}
-        return await self._request("POST", resource_path(manifest["kind"], meta["namespace"]), manifest, params=params)
+        path = resource_path(manifest["kind"], meta["namespace"], api_version=manifest.get("apiVersion"))
+        return await self._request("POST", path, manifest, params=params)
 
     async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
                           subresource: str | None = None) -> dict[str, Any]:  # fmt: skip

@@ -14,6 +14,15 @@ def config_map_name(job: str) -> str:
     return f"{job}-config"
 
 
+def auth_secret_name(job: str) -> str:
+    """Generated per-job Secret: managed-NATS credentials and PERSIA_JOB_SECRET."""
+    return f"{job}-auth"
+
+
+def pod_group_name(job: str) -> str:
+    return f"{job}-gang"
+
+
 def nats_name(job: str) -> str:
     """NATS StatefulSet and client Service."""
     return f"{job}-nats"

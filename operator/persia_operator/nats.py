@@ -12,7 +12,12 @@ from typing import Any
 from . import constants as C
 from . import naming
 from .overlay import merge
+from .podsecurity import container_security_context, pod_security_context
 from .spec import NatsSpec
+
+# Resources of a managed NATS server unless nats.resources is set: max_payload is 64 MiB
+# and PERSIA's batches pass through it, so it needs more memory than NATS's examples.
+DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 
 CONFIG_DIR = "/etc/nats-config"
 CONFIG_FILE = "nats.conf"
@@ -30,6 +35,11 @@ def nats_conf(job: str, namespace: str, nats: NatsSpec) -> str:
         f'pid_file: "{PID_DIR}/nats.pid"',
         "lame_duck_grace_period: 10s",
         "lame_duck_duration: 30s",
+        # Credentials come from the generated Secret through env (never in this ConfigMap).
+        "authorization {",
+        "  user: $NATS_USER",
+        "  password: $NATS_PASSWORD",
+        "}",
     ]
     if nats.replicas > 1:
         sts, headless = naming.nats_name(job), naming.nats_headless_name(job)
@@ -51,9 +61,14 @@ def nats_conf(job: str, namespace: str, nats: NatsSpec) -> str:
 
 
 def render_nats(
-    job: str, namespace: str, nats: NatsSpec, owner: list[dict[str, Any]]
+    job: str, namespace: str, nats: NatsSpec, owner: list[dict[str, Any]], extras: dict[str, Any] | None = None
 ) -> list[dict[str, Any]]:
-    """ConfigMap, headless + client Services and the StatefulSet of a managed NATS."""
+    """ConfigMap, headless + client Services and the StatefulSet of a managed NATS.
+
+    `extras`: pod labels/annotations/schedulerName of the job's gang, and whether the
+    pod gets the restricted security context."""
+    extras = extras or {}
+    secret = naming.auth_secret_name(job)
     labels = naming.common_labels(job, C.ROLE_NATS)
     selector = naming.selector_labels(job, C.ROLE_NATS)
     sts_name, headless = naming.nats_name(job), naming.nats_headless_name(job)
@@ -99,7 +114,11 @@ def render_nats(
         "name": "nats",
         "image": nats.image,
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        "env": [{"name": "SERVER_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "env": [
+            {"name": "SERVER_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+            {"name": "NATS_USER", "valueFrom": {"secretKeyRef": {"name": secret, "key": "nats-user"}}},
+            {"name": "NATS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": secret, "key": "nats-password"}}},
+        ],
         "ports": [
             {"name": "client", "containerPort": C.NATS_CLIENT_PORT},
             {"name": "cluster", "containerPort": C.NATS_CLUSTER_PORT},
@@ -122,10 +141,10 @@ def render_nats(
             {"name": "pid", "mountPath": PID_DIR},
         ],
     }
-    if nats.resources:
-        container["resources"] = nats.resources
+    container["resources"] = nats.resources or DEFAULT_RESOURCES
+    pod_labels = {**labels, **extras.get("labels", {})}
     template: dict[str, Any] = {
-        "metadata": {"labels": dict(labels)},
+        "metadata": {"labels": pod_labels},
         "spec": {
             "enableServiceLinks": False,
             "terminationGracePeriodSeconds": 60,
@@ -136,9 +155,16 @@ def render_nats(
             ],
         },
     }
+    if extras.get("annotations"):
+        template["metadata"]["annotations"] = dict(extras["annotations"])
+    if extras.get("schedulerName"):
+        template["spec"]["schedulerName"] = extras["schedulerName"]
+    if extras.get("restricted"):
+        template["spec"]["securityContext"] = pod_security_context()
+        container["securityContext"] = container_security_context(read_only=True)
     if nats.template is not None:
         template = merge(template, nats.template.model_dump(by_alias=True, exclude_none=True))
-        template["metadata"]["labels"].update(labels)
+        template["metadata"]["labels"].update(pod_labels)
     template["spec"]["restartPolicy"] = "Always"
     statefulset = {
         "apiVersion": "apps/v1",

@@ -6,6 +6,8 @@ already happened (409 on create, 404 on delete) is harmless.
 
 from __future__ import annotations
 
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -14,7 +16,8 @@ from . import constants as C
 from .children import Children
 from .conditions import parse_time
 from .job import JobStatus, PersiaJob
-from .render import render
+from . import naming
+from .render import render, render_auth_secret
 from .spec import JobMeta, SpecError, parse_spec
 
 
@@ -65,7 +68,13 @@ def _cleanup(policy: str, children: Children) -> list[Action]:
     return actions
 
 
-def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: datetime) -> list[Action]:
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: datetime,
+                 token: Callable[[], str] = new_token) -> list[Action]:  # fmt: skip
+    """`token` makes the random credentials of a generated Secret (fixed in tests)."""
     if status.accepted_spec is None:
         return []  # never valid: nothing was created
     try:
@@ -107,4 +116,6 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
                 )  # fmt: skip
         elif (kind, name) not in children.objects:
             actions.append(Create(manifest))
+    if ("Secret", naming.auth_secret_name(meta.name)) not in children.objects:
+        actions.append(Create(render_auth_secret(job, token(), token())))
     return actions

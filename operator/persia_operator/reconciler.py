@@ -16,11 +16,15 @@ from typing import Any
 import kopf
 
 from . import constants as C
+from . import naming
 from .children import Children
 from .events import JobEvent, transition_events
 from .job import JobStatus
 from .kube import ApiError, KubeApi
 from .plan import Action, Create, Delete, DeleteJob, Patch, plan_actions
+from .natsinfo import NatsObservation
+from .natswatch import NatsTarget, NatsWatcher, secret_data
+from .spec import PersiaJobSpec, SpecError, parse_spec
 from .status import ChildError, ObservedJob, derive_status
 
 Logger = logging.Logger | logging.LoggerAdapter  # kopf passes an adapter
@@ -58,8 +62,10 @@ class Reconciler:
         api: KubeApi,
         clock: Callable[[], datetime] = utcnow,
         post_event: Callable[[dict[str, Any], JobEvent], None] = post_kopf_event,
+        nats: NatsWatcher | None = None,
     ):
         self.api = api
+        self.nats = nats or NatsWatcher()
         self.clock = clock
         self.post_event = post_event
         self.passes = 0
@@ -73,8 +79,12 @@ class Reconciler:
             body = await self.api.get(C.KIND, namespace, name)
             if body is None:
                 self._locks.pop((namespace, name), None)
+                self.nats.forget((namespace, name))
                 return None
             if (body.get("metadata") or {}).get("deletionTimestamp"):
+                self.nats.forget((namespace, name))
+                return None
+            if not managed_here(body):
                 return None
             status = await self._pass(body, list(summaries), logger)
             self.passes += 1
@@ -83,20 +93,63 @@ class Reconciler:
     async def _pass(self, body: dict[str, Any], summaries: list[dict[str, Any]], logger: Any) -> JobStatus:
         observed = ObservedJob.from_body(body)
         meta = observed.metadata
-        children = Children.from_summaries(summaries, owner_uid=meta.uid)
+        spec = _spec_of(observed)
+        extra, secrets = await self._observe_by_get(meta.namespace, meta.name, spec)
+        children = Children.from_summaries([*summaries, *extra], owner_uid=meta.uid)
+        nats = self._watch_nats(observed, spec, secrets)
         now = self.clock()
-        status = derive_status(observed, children, now)
+        status = derive_status(observed, children, now, nats=nats)
         actions = plan_actions(meta, status, children, now)
         child_actions = [a for a in actions if not isinstance(a, DeleteJob)]
         errors = await self._execute(meta.namespace, meta.uid, child_actions, logger)
         if errors:
-            status = derive_status(observed, children, now, errors)
+            status = derive_status(observed, children, now, errors, nats=nats)
         await self._write_status(body, observed.status, status, logger)
         for action in actions:
             if isinstance(action, DeleteJob):
                 logger.info(f"Deleting PersiaJob {meta.namespace}/{meta.name}: {action.why}")
                 await self.api.delete(C.KIND, meta.namespace, meta.name)
         return status
+
+    async def _observe_by_get(self, namespace: str, name: str, spec: PersiaJobSpec | None
+                              ) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:  # fmt: skip
+        """Children that are read, not watched: Secrets (watching them would need list on
+        every Secret) and PodGroups (their CRDs may not be installed). Returns summaries and
+        the decoded data of the Secrets the job's NATS needs."""
+        gets: list[tuple[str, str, str | None]] = [("Secret", naming.auth_secret_name(name), None)]
+        if spec is not None:
+            for ref in (spec.nats.auth, spec.nats.tls):
+                if ref is not None:
+                    gets.append(("Secret", ref.secret_name, None))
+            from .render import render_pod_group  # the apiVersion of the job's PodGroup
+            from .job import PersiaJob
+
+            for pg in render_pod_group(PersiaJob.model_validate({"metadata": {"name": name, "namespace": namespace},
+                                                                 "spec": spec})):  # fmt: skip
+                gets.append(("PodGroup", pg["metadata"]["name"], pg["apiVersion"]))
+        summaries, secrets = [], {}
+        for kind, obj_name, api_version in gets:
+            body = await self.api.get(kind, namespace, obj_name, api_version=api_version)
+            if body is None:
+                continue
+            owners = [r.get("uid") for r in (body.get("metadata") or {}).get("ownerReferences") or []
+                      if r.get("kind") == C.KIND]  # fmt: skip
+            summaries.append({"kind": kind, "name": obj_name, "owner_uid": owners[0] if owners else None})
+            if kind == "Secret":
+                secrets[obj_name] = secret_data(body)
+        return summaries, secrets
+
+    def _watch_nats(self, observed: ObservedJob, spec: PersiaJobSpec | None,
+                    secrets: dict[str, dict[str, str]]) -> NatsObservation | None:  # fmt: skip
+        key = (observed.metadata.namespace, observed.metadata.name)
+        st = observed.status
+        running = spec is not None and st.terminal() is None and not spec.run_policy.suspend
+        target = nats_target(observed.metadata.name, observed.metadata.namespace, spec, secrets) if running else None
+        return self.nats.observe(key, target)
+
+    async def close(self) -> None:
+        await self.nats.close()
+        await self.api.close()
 
     async def _execute(self, namespace: str, uid: str | None, actions: list[Action], logger: Any) -> list[ChildError]:
         errors: list[ChildError] = []
@@ -127,7 +180,8 @@ class Reconciler:
         except ApiError as err:
             if err.code != 409:
                 raise
-            existing = await self.api.get(kind, action.manifest["metadata"]["namespace"], name)
+            existing = await self.api.get(kind, action.manifest["metadata"]["namespace"], name,
+                                          api_version=action.manifest.get("apiVersion"))  # fmt: skip
             owners = [r.get("uid") for r in ((existing or {}).get("metadata") or {}).get("ownerReferences") or []]
             if existing is not None and uid is not None and uid not in owners:
                 message = f"{kind} {name} exists and is not owned by this PersiaJob"
@@ -145,3 +199,51 @@ class Reconciler:
                 self.post_event(body, event)
             except Exception as err:  # events are best effort
                 logger.debug(f"Could not post event {event}: {err}")
+
+
+def managed_here(body: dict[str, Any]) -> bool:
+    """spec.managedBy unset or this operator's: a job managed by another controller
+    (e.g. MultiKueue) is left alone entirely."""
+    managed_by = (body.get("spec") or {}).get("managedBy")
+    return managed_by in (None, C.MANAGED_BY_VALUE)
+
+
+def _spec_of(observed: ObservedJob) -> PersiaJobSpec | None:
+    """The spec that runs (accepted), else the written one if valid."""
+    for raw in (observed.status.accepted_spec, observed.spec):
+        if raw is None:
+            continue
+        try:
+            return parse_spec(raw)
+        except SpecError:
+            continue
+    return None
+
+
+def nats_target(job: str, namespace: str, spec: PersiaJobSpec | None,
+                secrets: dict[str, dict[str, str]]) -> NatsTarget | None:  # fmt: skip
+    """How the operator reaches the job's NATS, with the job's own credentials."""
+    if spec is None:
+        return None
+    url = spec.nats_url(job, namespace)
+    if not url:
+        return None
+    if spec.nats_managed():
+        data = secrets.get(naming.auth_secret_name(job))
+        if not data:
+            return None  # the Secret is being created
+        return NatsTarget(job, url, user=data.get("nats-user"), password=data.get("nats-password"))
+    fields: dict[str, str | None] = {}
+    auth = spec.nats.auth
+    if auth is not None:
+        data = secrets.get(auth.secret_name, {})
+        if auth.type == "userPassword":
+            fields.update(user=data.get("user"), password=data.get("password"))
+        elif auth.type == "token":
+            fields["token"] = data.get("token")
+        else:
+            fields["creds"] = data.get("creds")
+    if spec.nats.tls is not None:
+        data = secrets.get(spec.nats.tls.secret_name, {})
+        fields.update(tls_ca=data.get("ca.crt"), tls_cert=data.get("tls.crt"), tls_key=data.get("tls.key"))
+    return NatsTarget(job, url, **fields)

@@ -10,6 +10,14 @@ Workload kinds per role:
   index), Deployments in online mode (no REPLICA_INDEX: ranks come from a NATS
   rendezvous, PERSIA_RENDEZVOUS=nats), each with a headless Service.
 - NATS (unless external): see nats.py.
+- PodDisruptionBudgets for the PS and the managed NATS; a PodGroup when asked.
+
+Pod hygiene is rendered here too: restricted security contexts, an emptyDir /tmp (the
+servers' root filesystem is read-only), an in-memory /dev/shm for NN workers, soft
+spreading of PS replicas over nodes, a wait-for-NATS init container (a role started
+before its NATS waits instead of exiting non-zero), and termination grace matching the
+runtime's graceful shutdown. Credentials come from Secrets by reference only: nothing
+secret is ever in a rendered manifest except the generated Secret itself.
 """
 
 from __future__ import annotations
@@ -23,9 +31,20 @@ from . import naming
 from .job import PersiaJob
 from .nats import render_nats
 from .overlay import merge
+from .podsecurity import container_security_context, pod_security_context
 from .spec import EnvVar, PersiaJobSpec, RoleSpec
 
 CONFIG_VOLUME = "persia-config"
+CHECKPOINT_VOLUME = "persia-checkpoints"
+TMP_VOLUME = "tmp"
+SHM_VOLUME = "dshm"
+SECRETS_DIR = "/var/run/persia"
+NATS_CREDS_DIR = f"{SECRETS_DIR}/nats-creds"
+NATS_TLS_DIR = f"{SECRETS_DIR}/nats-tls"
+GRPC_TLS_DIR = f"{SECRETS_DIR}/grpc-tls"
+NATS_USER = "persia"
+SERVER_PRESTOP_SECONDS = 2  # let Service endpoints drop the pod before SIGTERM
+CHECKPOINT_ROLES = (C.ROLE_PS, C.ROLE_EMBEDDING_WORKER, C.ROLE_NN_WORKER)
 
 STATEFUL_ROLES = (C.ROLE_PS, C.ROLE_EMBEDDING_WORKER)
 RUN_TO_COMPLETION_ROLES = (C.ROLE_NN_WORKER, C.ROLE_DATALOADER)
@@ -62,6 +81,63 @@ def _env(name: str, value: str | int) -> dict[str, Any]:
 
 def _field_env(name: str, field_path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def _secret_env(name: str, secret: str, key: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def security_env(job: PersiaJob) -> list[dict[str, Any]]:
+    """NATS credentials, TLS file paths and the per-job control secret (CONTRACTS.md)."""
+    spec = job.spec
+    generated = naming.auth_secret_name(job.name)
+    env: list[dict[str, Any]] = [_secret_env("PERSIA_JOB_SECRET", generated, "job-secret")]
+    auth = spec.nats.auth
+    if spec.nats_managed():
+        env += [_secret_env("PERSIA_NATS_USER", generated, "nats-user"),
+                _secret_env("PERSIA_NATS_PASSWORD", generated, "nats-password")]  # fmt: skip
+    elif auth is not None and auth.type == "userPassword":
+        env += [_secret_env("PERSIA_NATS_USER", auth.secret_name, "user"),
+                _secret_env("PERSIA_NATS_PASSWORD", auth.secret_name, "password")]  # fmt: skip
+    elif auth is not None and auth.type == "token":
+        env.append(_secret_env("PERSIA_NATS_TOKEN", auth.secret_name, "token"))
+    elif auth is not None:
+        env.append(_env("PERSIA_NATS_CREDS", f"{NATS_CREDS_DIR}/creds"))
+    for prefix, ref, directory in (("PERSIA_NATS_TLS", spec.nats.tls, NATS_TLS_DIR),
+                                   ("PERSIA_GRPC_TLS", spec.grpc_tls, GRPC_TLS_DIR)):  # fmt: skip
+        if ref is not None:
+            env += [_env(f"{prefix}_CA", f"{directory}/ca.crt"), _env(f"{prefix}_CERT", f"{directory}/tls.crt"),
+                    _env(f"{prefix}_KEY", f"{directory}/tls.key")]  # fmt: skip
+    return env
+
+
+def secret_volumes(spec: PersiaJobSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, mounts) of the Secrets a PERSIA pod reads as files (read-only, 0400)."""
+    volumes, mounts = [], []
+    refs = []
+    if spec.nats.auth is not None and spec.nats.auth.type == "creds":
+        refs.append(("nats-creds", spec.nats.auth.secret_name, NATS_CREDS_DIR))
+    if spec.nats.tls is not None:
+        refs.append(("nats-tls", spec.nats.tls.secret_name, NATS_TLS_DIR))
+    if spec.grpc_tls is not None:
+        refs.append(("grpc-tls", spec.grpc_tls.secret_name, GRPC_TLS_DIR))
+    for name, secret, path in refs:
+        volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}})
+        mounts.append({"name": name, "mountPath": path, "readOnly": True})
+    return volumes, mounts
+
+
+def checkpoint_env(job: PersiaJob) -> list[dict[str, Any]]:
+    ckpt = job.spec.checkpoint
+    if ckpt is None:
+        return []
+    env = [_env("PERSIA_CHECKPOINT_DIR", ckpt.directory(job.name)), _env("PERSIA_CHECKPOINT_KEEP", ckpt.keep),
+           _env("PERSIA_RESUME", ckpt.resume)]  # fmt: skip
+    if ckpt.interval_steps is not None:
+        env.append(_env("PERSIA_CHECKPOINT_INTERVAL_STEPS", ckpt.interval_steps))
+    if ckpt.interval_seconds is not None:
+        env.append(_env("PERSIA_CHECKPOINT_INTERVAL_SECONDS", ckpt.interval_seconds))
+    return env
 
 
 def _dedupe_env(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -107,6 +183,13 @@ def role_env(job: PersiaJob, role: str, role_spec: RoleSpec) -> list[dict[str, A
     if role == C.ROLE_DATALOADER:
         env.append(_env("PERSIA_DATALOADER_ENTRY", spec.persia_env.PERSIA_DATALOADER_ENTRY or ""))
     env.append(_env("PERSIA_METRICS_PORT", C.METRICS_PORT))
+    env.append(_field_env("PERSIA_BIND_ADDRESS", "status.podIP"))
+    env.append(_env("PERSIA_GRACE_PERIOD_SECONDS", spec.run_policy.grace_period_seconds))
+    if role in CHECKPOINT_ROLES:
+        env += checkpoint_env(job)
+    env += security_env(job)
+    if spec.security_context == "restricted":
+        env.append(_env("HOME", "/tmp"))  # a writable home on a read-only root filesystem
     user: list[EnvVar] = [*spec.env, *role_spec.env]
     env += [v.model_dump(by_alias=True, exclude_none=True) for v in user]
     return _dedupe_env(env)
@@ -146,18 +229,43 @@ def default_image(spec: PersiaJobSpec, role: str, role_spec: RoleSpec) -> str:
     return C.DEFAULT_CUDA_IMAGE if role == C.ROLE_NN_WORKER else C.DEFAULT_CPU_IMAGE
 
 
+WAIT_FOR_NATS = """\
+import os, socket, sys, time, urllib.parse
+urls = [u if "://" in u else "nats://" + u for u in os.environ["PERSIA_NATS_URL"].split(",")]
+while True:
+    for url in urls:
+        parts = urllib.parse.urlsplit(url)
+        try:
+            socket.create_connection((parts.hostname, parts.port or 4222), 2).close()
+            sys.exit(0)
+        except OSError as err:
+            print(f"waiting for NATS at {parts.hostname}:{parts.port or 4222}: {err}", flush=True)
+    time.sleep(2)
+"""
+
+
+def _ps_spread(job: PersiaJob) -> list[dict[str, Any]]:
+    """Soft: spread PS replicas over nodes (one node lost costs one shard, not all)."""
+    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": {**naming.selector_labels(job.name, C.ROLE_PS),
+                                               C.LABEL_ATTEMPT: str(job.status.attempt)}}}]  # fmt: skip
+
+
 def _pod_template(job: PersiaJob, role: str, role_spec: RoleSpec, kind: str) -> dict[str, Any]:
     spec = job.spec
+    restricted = spec.security_context == "restricted"
     labels = {
         **naming.common_labels(job.name, role),
         C.LABEL_ATTEMPT: str(job.status.attempt),
+        **gang_labels(job),
     }
     ports = [{"name": "metrics", "containerPort": C.METRICS_PORT}]
     if role in C.SERVICE_PORTS:
         ports.insert(0, {"name": "rpc", "containerPort": C.SERVICE_PORTS[role]})
+    image = default_image(spec, role, role_spec)
     container: dict[str, Any] = {
         "name": C.LAUNCHER_COMMANDS[role],
-        "image": default_image(spec, role, role_spec),
+        "image": image,
         "command": ["persia-launcher"],
         "args": launcher_args(spec, role),
         "env": role_env(job, role, role_spec),
@@ -169,6 +277,7 @@ def _pod_template(job: PersiaJob, role: str, role_spec: RoleSpec, kind: str) -> 
         container["resources"] = role_spec.resources
     if role in C.SERVICE_PORTS:
         container["readinessProbe"] = {"tcpSocket": {"port": "rpc"}, "periodSeconds": 5}
+        container["lifecycle"] = {"preStop": {"sleep": {"seconds": SERVER_PRESTOP_SECONDS}}}
     mounts = [dict(m) for m in role_spec.volume_mounts]
     volumes = [dict(v) for v in spec.volumes]
     if spec.configs is not None:
@@ -176,24 +285,66 @@ def _pod_template(job: PersiaJob, role: str, role_spec: RoleSpec, kind: str) -> 
         volumes.append(
             {"name": CONFIG_VOLUME, "configMap": {"name": naming.config_map_name(job.name)}}
         )
+    ckpt = spec.checkpoint
+    if ckpt is not None and role in CHECKPOINT_ROLES:
+        if ckpt.persistent_volume_claim:
+            volumes.append({"name": CHECKPOINT_VOLUME,
+                            "persistentVolumeClaim": {"claimName": ckpt.persistent_volume_claim}})  # fmt: skip
+        source = ckpt.volume or CHECKPOINT_VOLUME
+        if not any(m["mountPath"] == ckpt.mount_path for m in mounts):
+            mounts.append({"name": source, "mountPath": ckpt.mount_path})
+    extra_volumes, extra_mounts = secret_volumes(spec)
+    volumes += extra_volumes
+    mounts += extra_mounts
+    if restricted:
+        volumes.append({"name": TMP_VOLUME, "emptyDir": {}})
+        mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
+        container["securityContext"] = container_security_context(read_only=role in STATEFUL_ROLES)
+    if role == C.ROLE_NN_WORKER:
+        shm: dict[str, Any] = {"medium": "Memory"}
+        if spec.nn_worker.shm_size:
+            shm["sizeLimit"] = spec.nn_worker.shm_size
+        volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     if mounts:
         container["volumeMounts"] = mounts
-    pod_spec: dict[str, Any] = {"enableServiceLinks": False, "containers": [container]}
+    wait: dict[str, Any] = {
+        "name": "wait-for-nats",
+        "image": image,
+        "command": ["python", "-c", WAIT_FOR_NATS],
+        "env": [dict(e) for e in container["env"] if e["name"] == "PERSIA_NATS_URL"],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "64Mi"}},
+    }
+    if spec.image_pull_policy:
+        wait["imagePullPolicy"] = spec.image_pull_policy
+    if restricted:
+        wait["securityContext"] = container_security_context(read_only=True)
+    pod_spec: dict[str, Any] = {
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.run_policy.grace_period_seconds + 5,
+        "initContainers": [wait],
+        "containers": [container],
+    }
+    if restricted:
+        pod_spec["securityContext"] = pod_security_context()
     if volumes:
         pod_spec["volumes"] = volumes
+    if role == C.ROLE_PS:
+        pod_spec["topologySpreadConstraints"] = _ps_spread(job)
     if kind == "Job":
         pod_spec["subdomain"] = naming.workload_name(job.name, role)
-    if spec.run_policy.scheduler_name:
-        pod_spec["schedulerName"] = spec.run_policy.scheduler_name
+    scheduler = spec.run_policy.scheduler_name or gang_scheduler(spec)
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
     if spec.run_policy.priority_class_name:
         pod_spec["priorityClassName"] = spec.run_policy.priority_class_name
-    annotations = {}
+    annotations = {**gang_annotations(job)}
     if spec.enable_metrics:
-        annotations = {
+        annotations.update({
             "prometheus.io/scrape": "true",
             "prometheus.io/port": str(C.METRICS_PORT),
             "prometheus.io/path": "/metrics",
-        }
+        })  # fmt: skip
     template: dict[str, Any] = {"metadata": {"labels": labels}, "spec": pod_spec}
     if annotations:
         template["metadata"]["annotations"] = annotations
@@ -202,6 +353,98 @@ def _pod_template(job: PersiaJob, role: str, role_spec: RoleSpec, kind: str) -> 
         template["metadata"]["labels"].update(labels)
     template["spec"]["restartPolicy"] = spec.restart_policy if kind == "Job" else "Always"
     return template
+
+
+# --- gang scheduling (PodGroup) and Kueue -----------------------------------------------
+
+
+def total_pods(spec: PersiaJobSpec) -> int:
+    """Every pod of the job (training roles and the managed NATS): a gang's minMember."""
+    count = sum(r.replicas for r in spec.roles().values())
+    return count + (spec.nats.replicas if spec.nats_managed() else 0)
+
+
+def gang_scheduler(spec: PersiaJobSpec) -> str | None:
+    return {"volcano": "volcano", "coscheduling": "scheduler-plugins-scheduler"}.get(spec.scheduling.gang)
+
+
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+
+
+def gang_labels(job: PersiaJob) -> dict[str, str]:
+    """Pod labels joining the job's gang: a coscheduling PodGroup, and Kueue's plain-pod
+    group (all pods of one attempt are admitted together) when the job has a queue."""
+    labels = {}
+    if job.spec.scheduling.gang == "coscheduling":
+        labels["scheduling.x-k8s.io/pod-group"] = naming.pod_group_name(job.name)
+    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
+    if queue:
+        labels[KUEUE_QUEUE_LABEL] = queue
+        labels["kueue.x-k8s.io/pod-group-name"] = f"{job.name}-a{job.status.attempt}"
+    return labels
+
+
+def gang_annotations(job: PersiaJob) -> dict[str, str]:
+    annotations = {}
+    if job.spec.scheduling.gang == "volcano":
+        annotations["scheduling.k8s.io/group-name"] = naming.pod_group_name(job.name)
+    if job.metadata.labels.get(KUEUE_QUEUE_LABEL):
+        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(total_pods(job.spec))
+    return annotations
+
+
+def render_pod_group(job: PersiaJob) -> list[dict[str, Any]]:
+    sched = job.spec.scheduling
+    if sched.gang == "none":
+        return []
+    meta = _meta(job, naming.pod_group_name(job.name), "gang", attempt=False)
+    if sched.gang == "volcano":
+        spec: dict[str, Any] = {"minMember": total_pods(job.spec)}
+        if sched.queue:
+            spec["queue"] = sched.queue
+        if job.spec.run_policy.priority_class_name:
+            spec["priorityClassName"] = job.spec.run_policy.priority_class_name
+        return [{"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "PodGroup", "metadata": meta, "spec": spec}]
+    spec = {"minMember": total_pods(job.spec)}
+    if sched.schedule_timeout_seconds:
+        spec["scheduleTimeoutSeconds"] = sched.schedule_timeout_seconds
+    return [{"apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup", "metadata": meta, "spec": spec}]
+
+
+def render_pdbs(job: PersiaJob) -> list[dict[str, Any]]:
+    """No voluntary disruption of a PS (its shard would be lost: the whole job restarts);
+    a NATS cluster of 3 or more may lose one server at a time. Unhealthy pods may always
+    be evicted, so a crash-looping pod never blocks a node drain."""
+    pdbs = [(naming.workload_name(job.name, C.ROLE_PS), C.ROLE_PS, 0)]
+    if job.spec.nats_managed():
+        pdbs.append((naming.nats_name(job.name), C.ROLE_NATS, 1 if job.spec.nats.replicas >= 3 else 0))
+    return [
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(job, name, role, attempt=False),
+            "spec": {
+                "maxUnavailable": max_unavailable,
+                "selector": {"matchLabels": naming.selector_labels(job.name, role)},
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            },
+        }
+        for name, role, max_unavailable in pdbs
+    ]
+
+
+def render_auth_secret(job: PersiaJob, nats_password: str, job_secret: str) -> dict[str, Any]:
+    """The generated per-job Secret; only the job's pods reference it."""
+    data = {"job-secret": job_secret}
+    if job.spec.nats_managed():
+        data.update({"nats-user": NATS_USER, "nats-password": nats_password})
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": _meta(job, naming.auth_secret_name(job.name), "auth", attempt=False),
+        "stringData": data,
+    }
 
 
 def _meta(job: PersiaJob, name: str, role: str, attempt: bool) -> dict[str, Any]:
@@ -298,10 +541,16 @@ def render_config_map(job: PersiaJob) -> list[dict[str, Any]]:
 
 
 def render(job: PersiaJob) -> list[dict[str, Any]]:
-    """All children of `job` for its current attempt (job.status.attempt)."""
+    """All children of `job` for its current attempt (job.status.attempt), except the
+    generated Secret (its content is random: see render_auth_secret and plan.py)."""
     children = render_config_map(job)
     if job.spec.nats_managed():
-        children += render_nats(job.name, job.namespace, job.spec.nats, owner_references(job))
+        extras = {"labels": gang_labels(job), "annotations": gang_annotations(job),
+                  "schedulerName": job.spec.run_policy.scheduler_name or gang_scheduler(job.spec),
+                  "restricted": job.spec.security_context == "restricted"}  # fmt: skip
+        children += render_nats(job.name, job.namespace, job.spec.nats, owner_references(job), extras)
+    children += render_pdbs(job)
+    children += render_pod_group(job)
     for role in C.TRAINING_ROLES:
         children += render_role(job, role)
     return children

@@ -152,6 +152,35 @@ class NNWorkerSpec(RoleSpec):
     nproc_per_node: int = Field(
         1, ge=1, le=C.MAX_NPROC_PER_NODE, description="Training processes per NN worker pod."
     )
+    shm_size: str | None = Field(
+        None,
+        description=(
+            "sizeLimit of the in-memory /dev/shm of NN worker pods (DDP and data loader "
+            "workers exchange tensors through it); unset: no limit but the pod's memory."
+        ),
+    )
+
+    def gpus(self) -> int:
+        """GPUs requested per pod (limits, else requests), 0 when none."""
+        resources = self.resources or {}
+        for section in ("limits", "requests"):
+            value = (resources.get(section) or {}).get(C.GPU_RESOURCE)
+            if value is not None:
+                try:
+                    return int(str(value))
+                except ValueError:
+                    raise ValueError(f"nnWorker.resources.{section}.{C.GPU_RESOURCE} must be a whole number, got {value!r}") from None
+        return 0
+
+    @model_validator(mode="after")
+    def _nproc_fits_gpus(self) -> "NNWorkerSpec":
+        gpus = self.gpus()
+        if gpus and self.nproc_per_node > gpus:
+            raise ValueError(
+                f"nprocPerNode {self.nproc_per_node} is more than the {gpus} GPUs requested per pod "
+                f"({C.GPU_RESOURCE}): each training process needs its own GPU"
+            )
+        return self
 
 
 class PersiaEnv(BaseModel):
@@ -165,6 +194,25 @@ class PersiaEnv(BaseModel):
     PERSIA_DATALOADER_ENTRY: str | None = Field(None, description="Data loader entry script.")
 
 
+class SecretRef(_Model):
+    """A Secret in the job's namespace holding TLS material (cert-manager's layout)."""
+
+    secret_name: str = Field(min_length=1, description="Secret with ca.crt, tls.crt and tls.key.")
+
+
+class NatsAuth(_Model):
+    """Credentials for an external NATS, from a Secret the user provides."""
+
+    secret_name: str = Field(min_length=1, description="Secret in the job's namespace.")
+    type: Literal["userPassword", "token", "creds"] = Field(
+        "userPassword",
+        description=(
+            "userPassword: keys `user` and `password`; token: key `token`; creds: key "
+            "`creds` (a NATS .creds or nkey seed file, mounted read-only)."
+        ),
+    )
+
+
 class NatsSpec(_Model):
     """Either a NATS the operator runs for the job (`managed`) or an `externalURL`."""
 
@@ -174,6 +222,11 @@ class NatsSpec(_Model):
                 _cel(
                     "!(has(self.externalURL) && has(self.managed) && self.managed)",
                     "nats.externalURL and nats.managed: true are mutually exclusive",
+                ),
+                _cel(
+                    "!((has(self.auth) || has(self.tls)) && has(self.managed) && self.managed)",
+                    "nats.auth and nats.tls are for an external NATS; a managed NATS gets "
+                    "generated credentials",
                 ),
                 _cel(
                     f"!has(self.maxPayload) || (self.maxPayload >= 1 && "
@@ -206,8 +259,20 @@ class NatsSpec(_Model):
         description="URL of an existing NATS (nats://host:4222); no NATS is rendered.",
     )
     image: str = Field(C.DEFAULT_NATS_IMAGE, description="Managed NATS image.")
-    resources: dict[str, Any] | None = Field(None, description="Managed NATS container resources.")
+    resources: dict[str, Any] | None = Field(
+        None, description="Managed NATS container resources (default: see docs/operator.md)."
+    )
     template: PodTemplateOverlay | None = None
+    auth: NatsAuth | None = Field(
+        None,
+        description=(
+            "Credentials of an external NATS (a managed NATS always gets a generated Secret, "
+            "<job>-auth, that only the job's pods use)."
+        ),
+    )
+    tls: SecretRef | None = Field(
+        None, description="TLS client material for an external NATS (PERSIA_NATS_TLS_*)."
+    )
 
     @field_validator("replicas")
     @classmethod
@@ -237,6 +302,10 @@ class NatsSpec(_Model):
     def _exclusive(self) -> "NatsSpec":
         if self.external_url and self.managed:
             raise ValueError("nats.externalURL and nats.managed: true are mutually exclusive")
+        if (self.auth or self.tls) and self.managed:
+            raise ValueError(
+                "nats.auth and nats.tls are for an external NATS; a managed NATS gets generated credentials"
+            )
         return self
 
 
@@ -250,6 +319,116 @@ class Configs(_Model):
         None,
         description="Content of embedding_config.yml (alternative to PERSIA_EMBEDDING_CONFIG).",
     )
+
+
+class CheckpointSpec(_Model):
+    """Where the runtime keeps its checkpoints and how often it writes them (CONTRACTS.md).
+
+    The volume is mounted on the PS, embedding worker and NN worker pods; every restart of
+    the job (failure, PS replacement, replica change, resume) continues from the last
+    complete checkpoint found there (`resume: auto`)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.persistentVolumeClaim) != has(self.volume)",
+                    "checkpoint: set exactly one of persistentVolumeClaim and volume",
+                ),
+            ]
+        }
+    )
+
+    persistent_volume_claim: str | None = Field(
+        None, description="Claim (ReadWriteMany across nodes) mounted at mountPath."
+    )
+    volume: str | None = Field(None, description="Name of a volume in spec.volumes mounted at mountPath.")
+    mount_path: str = Field("/checkpoints", pattern=r"^/", description="Where the volume is mounted.")
+    dir: str | None = Field(
+        None,
+        description="PERSIA_CHECKPOINT_DIR (default <mountPath>/<job name>); must lie under mountPath.",
+    )
+    interval_steps: int | None = Field(None, ge=1, description="Checkpoint every this many steps.")
+    interval_seconds: float | None = Field(None, gt=0, description="Checkpoint at least this often.")
+    keep: int = Field(3, ge=1, le=1000, description="Complete checkpoints kept.")
+    resume: str = Field(
+        "auto", min_length=1, description='"auto" (latest complete), "never", or a checkpoint path.'
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "CheckpointSpec":
+        if (self.persistent_volume_claim is None) == (self.volume is None):
+            raise ValueError("checkpoint: set exactly one of persistentVolumeClaim and volume")
+        if self.dir is not None and not (self.dir + "/").startswith(self.mount_path.rstrip("/") + "/"):
+            raise ValueError(f"checkpoint.dir {self.dir!r} must lie under checkpoint.mountPath {self.mount_path!r}")
+        return self
+
+    def directory(self, job_name: str) -> str:
+        return self.dir or f"{self.mount_path.rstrip('/')}/{job_name}"
+
+
+FAILURE_ACTIONS = ("FailJob", "RestartJob", "RestartJobAndIgnoreMaxRestarts", "Ignore")
+# What can be observed of a failed pod besides its exit code (see failures.py).
+POD_FAILURE_CONDITIONS = ("DisruptionTarget", "Evicted", "OOMKilled", "Replaced", "NoExitCode")
+
+
+class ExitCodes(_Model):
+    operator: Literal["In", "NotIn"] = Field(description="Match codes in, or not in, values.")
+    values: list[int] = Field(min_length=1, description="Exit codes (0..255).")
+
+    @field_validator("values")
+    @classmethod
+    def _codes(cls, values: list[int]) -> list[int]:
+        bad = [v for v in values if not 0 <= v <= 255]
+        if bad:
+            raise ValueError(f"exit codes must be between 0 and 255, got {bad}")
+        return values
+
+    def matches(self, code: int | None) -> bool:
+        if code is None:
+            return False
+        return (code in self.values) == (self.operator == "In")
+
+
+class FailureRule(_Model):
+    """First matching rule wins (user rules, then the defaults in docs/operator.md)."""
+
+    name: str | None = Field(None, description="Shown in the status message when the rule decides.")
+    action: Literal["FailJob", "RestartJob", "RestartJobAndIgnoreMaxRestarts", "Ignore"]
+    roles: list[Literal["embeddingParameterServer", "embeddingWorker", "nnWorker", "dataloader"]] = Field(
+        default_factory=list, description="Roles the rule applies to (empty: all)."
+    )
+    on_exit_codes: ExitCodes | None = Field(None, description="Match the failed container's exit code.")
+    on_pod_conditions: list[Literal["DisruptionTarget", "Evicted", "OOMKilled", "Replaced", "NoExitCode"]] = (
+        Field(default_factory=list, description="Match any of these observations of the pod.")
+    )
+
+
+class FailurePolicy(_Model):
+    rules: list[FailureRule] = Field(default_factory=list, description="Checked before the defaults.")
+    stateful_roles: list[Literal["embeddingParameterServer", "embeddingWorker"]] = Field(
+        default_factory=lambda: ["embeddingParameterServer", "embeddingWorker"],
+        description=(
+            "Roles whose pods hold state the job cannot lose: a replaced or deleted pod of "
+            "one is a failure (Replaced; reason PSReplaced or EmbeddingWorkerReplaced)."
+        ),
+    )
+
+
+class Scheduling(_Model):
+    """Gang scheduling and queueing (see docs/operator.md, "Gang scheduling")."""
+
+    gang: Literal["none", "volcano", "coscheduling"] = Field(
+        "none",
+        description=(
+            "Render a PodGroup with minMember = every pod of the job: volcano "
+            "(scheduling.volcano.sh) or coscheduling (scheduler-plugins, scheduling.x-k8s.io)."
+        ),
+    )
+    schedule_timeout_seconds: int | None = Field(
+        None, ge=1, description="coscheduling PodGroup scheduleTimeoutSeconds."
+    )
+    queue: str | None = Field(None, description="Volcano queue of the PodGroup.")
 
 
 class RunPolicy(_Model):
@@ -280,6 +459,15 @@ class RunPolicy(_Model):
     suspend: bool = Field(False, description="Remove the job's workloads; resume by clearing it.")
     scheduler_name: str | None = Field(None, description="schedulerName of every pod.")
     priority_class_name: str | None = Field(None, description="priorityClassName of every pod.")
+    grace_period_seconds: int = Field(
+        30,
+        ge=1,
+        le=3600,
+        description=(
+            "PERSIA_GRACE_PERIOD_SECONDS: how long a role may take to flush and checkpoint on "
+            "SIGTERM; pods get terminationGracePeriodSeconds = this + 5."
+        ),
+    )
 
 
 _SPEC_RULES = [
@@ -300,6 +488,12 @@ _SPEC_RULES = [
     _cel(
         "!has(self.dataloader) || (has(self.persiaEnv) && has(self.persiaEnv.PERSIA_DATALOADER_ENTRY))",
         "persiaEnv.PERSIA_DATALOADER_ENTRY is required when spec.dataloader is set",
+    ),
+    _cel(
+        "!has(self.nats) || !(has(self.nats.auth) || has(self.nats.tls)) || has(self.nats.externalURL) || "
+        "(has(self.env) && self.env.exists(e, e.name == 'PERSIA_NATS_URL'))",
+        "nats.auth and nats.tls are for an external NATS (nats.externalURL); a managed NATS "
+        "gets generated credentials",
     ),
 ]
 
@@ -345,6 +539,32 @@ class PersiaJobSpec(_Model):
     nats: NatsSpec = Field(default_factory=NatsSpec)
     configs: Configs | None = None
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    checkpoint: CheckpointSpec | None = None
+    failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
+    grpc_tls: SecretRef | None = Field(
+        None,
+        alias="grpcTLS",
+        description=(
+            "TLS for the PS and embedding-worker gRPC services: a Secret with ca.crt, tls.crt "
+            "and tls.key (e.g. from cert-manager), mounted in every PERSIA pod."
+        ),
+    )
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    managed_by: str | None = Field(
+        None,
+        description=(
+            "Controller that reconciles this job; the operator leaves jobs managed by another "
+            f"controller alone (default and {C.MANAGED_BY_VALUE!r}: this operator). Immutable."
+        ),
+    )
+    security_context: Literal["restricted", "none"] = Field(
+        "restricted",
+        description=(
+            "restricted: non-root, no privilege escalation, all capabilities dropped, "
+            "RuntimeDefault seccomp, read-only root filesystem for the servers. none: leave "
+            "security contexts to the pod templates."
+        ),
+    )
 
     @field_validator("env")
     @classmethod
@@ -388,7 +608,14 @@ class PersiaJobSpec(_Model):
             problems.append("persiaEnv.PERSIA_NN_WORKER_ENTRY is required (the NN worker entry script)")
         if self.dataloader is not None and not self.persia_env.PERSIA_DATALOADER_ENTRY:
             problems.append("persiaEnv.PERSIA_DATALOADER_ENTRY is required when spec.dataloader is set")
+        if (self.nats.auth or self.nats.tls) and self.nats_managed():
+            problems.append(
+                "nats.auth and nats.tls are for an external NATS (nats.externalURL); a managed NATS "
+                "gets generated credentials"
+            )
         volume_names = {v["name"] for v in self.volumes}
+        if self.checkpoint is not None and self.checkpoint.volume and self.checkpoint.volume not in volume_names:
+            problems.append(f"checkpoint.volume: volume {self.checkpoint.volume!r} is not in spec.volumes")
         for field, role in self.roles().items():
             template_volumes = {
                 v.get("name") for v in ((role.template and role.template.spec) or {}).get("volumes", [])

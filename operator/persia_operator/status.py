@@ -21,7 +21,8 @@ from .children import Children
 from .conditions import derive_phase, parse_time, set_condition, timestamp
 from .job import JobStatus, PersiaJob, ReplicaStatus
 from .render import RUN_TO_COMPLETION_ROLES, render, workload_kind
-from .spec import JobMeta, PersiaJobSpec, SpecError, parse_spec
+from .natsinfo import NatsObservation, redact
+from .spec import JobMeta, PersiaJobSpec, SpecError, check_job_name, parse_spec
 
 
 class ObservedJob(BaseModel):
@@ -116,6 +117,8 @@ def missing_children(job: PersiaJob, children: Children) -> list[str]:
                 missing.append(f"{kind}/{name}")
         elif (kind, name) not in children.objects:
             missing.append(f"{kind}/{name}")
+    if ("Secret", naming.auth_secret_name(job.name)) not in children.objects:
+        missing.append(f"Secret/{naming.auth_secret_name(job.name)}")
     return missing
 
 
@@ -132,8 +135,9 @@ def _seconds_since(now: datetime, then: str | None) -> float | None:
 class _Pass:
     """One derivation: the next status, built up step by step from the previous one."""
 
-    def __init__(self, job: ObservedJob, children: Children, now: datetime):
+    def __init__(self, job: ObservedJob, children: Children, now: datetime, nats: NatsObservation | None = None):
         self.job = job
+        self.nats = nats
         self.name = job.metadata.name
         self.children = children
         self.now = now
@@ -164,13 +168,14 @@ class _Pass:
         self.st.attempt += 1
         self.st.attempt_start_time = self.ts
         self.st.attempt_ready_time = None
+        self.st.stateful_pods = {}
         self.cond(C.COND_RESTARTING, True, reason, message)
 
     def accept(self, acceptance: Acceptance) -> None:
         """Record which spec runs and whether the user's edits were applied."""
         assert acceptance.spec is not None
         self.st.accepted_spec = acceptance.spec.to_wire()
-        self.st.nats_url = acceptance.spec.nats_url(self.name, self.job.metadata.namespace) or None
+        self.st.nats_url = redact(acceptance.spec.nats_url(self.name, self.job.metadata.namespace)) or None
         if acceptance.error:
             self.cond(C.COND_SPEC_ACCEPTED, False, "InvalidSpec",
                       f"the edited spec is invalid and is not applied: {acceptance.error}")  # fmt: skip
@@ -194,6 +199,7 @@ class _Pass:
         if resumed:
             self.cond(C.COND_SUSPENDED, False, "Resumed", "runPolicy.suspend is false: workloads restored")
             self.st.attempt += 1
+            self.st.stateful_pods = {}
         if self.st.start_time is None:
             self.st.start_time = self.st.attempt_start_time = self.ts
             self.st.attempt_ready_time = None
@@ -217,13 +223,53 @@ class _Pass:
             done = f"all {spec.nn_worker.replicas} NN workers completed"
             self.cond(C.COND_SUCCEEDED, True, "NNWorkersCompleted", done)
             return
-        found = failures.find_failures(spec, self.name, self.children, self.st.attempt)
-        decision = failures.decide(found, self.st.restart_count, spec.run_policy.backoff_limit)
+        found = failures.find_failures(spec, self.name, self.children, self.st.attempt, self.st.stateful_pods)
+        decision = failures.decide(found, spec.failure_policy.rules, self.st.restart_count,
+                                   spec.run_policy.backoff_limit)  # fmt: skip
         if decision is not None and decision.fail:
             self.cond(C.COND_FAILED, True, decision.reason, decision.message)
         elif decision is not None:
-            self.st.restart_count += 1
+            if decision.counted:
+                self.st.restart_count += 1
+            else:
+                self.st.uncounted_restarts += 1
             self.new_attempt(decision.reason, decision.message)
+        else:
+            self.track_stateful(spec)
+
+    def track_stateful(self, spec: PersiaJobSpec) -> None:
+        """Remember the uid of every started pod of a stateful role in this attempt: a
+        different uid under the same name later means the pod was replaced."""
+        for role in C.TRAINING_ROLES:
+            if spec.role(role) is None or C.ROLE_FIELDS[role] not in spec.failure_policy.stateful_roles:
+                continue
+            for pod in self.children.pods_of(role, self.st.attempt):
+                key = f"{role}:{pod.name}"
+                if pod.uid and pod.started and not pod.deleting and key not in self.st.stateful_pods:
+                    self.st.stateful_pods[key] = pod.uid
+
+    def checkpoint(self) -> None:
+        """The last checkpoint NN rank 0 reported, and what this attempt resumed from."""
+        report = self.nats.checkpoint if self.nats is not None else None
+        if report is None:
+            return
+        from .job import CheckpointStatus
+
+        prev = self.st.checkpoint or CheckpointStatus()
+        # A reply from before this attempt started tells the last checkpoint, not what
+        # this attempt resumed from.
+        started = parse_time(self.st.attempt_start_time)
+        current = self.nats.at is not None and (started is None or self.nats.at >= started)  # type: ignore[union-attr]
+        resumed_from, resumed_attempt = (
+            (report.resumed_from, self.st.attempt) if current
+            else (prev.resumed_from, prev.resumed_attempt) if prev.resumed_attempt == self.st.attempt
+            else (None, None)
+        )  # fmt: skip
+        self.st.checkpoint = CheckpointStatus(
+            step=report.step, time=report.time_rfc3339(), path=report.path,
+            resumed_from=resumed_from, resumed_attempt=resumed_attempt,
+            observed_time=self.ts if (prev.step, prev.path) != (report.step, report.path) else prev.observed_time,
+        )  # fmt: skip
 
     def created(self, spec: PersiaJobSpec, errors: Sequence[ChildError]) -> list[str]:
         """Created (and ChildCreateFailed); returns the missing children."""
@@ -246,13 +292,14 @@ class _Pass:
         st = self.st
         st.replica_statuses = count_replicas(spec, self.name, self.children, st.attempt)
         nats = st.replica_statuses.get("nats")
-        nats_ready = nats is None or nats.ready >= nats.desired
         if nats is None:
-            self.cond(C.COND_NATS_READY, True, "ExternalNats", f"using {st.nats_url}")
+            nats_ready = self.external_nats()
+            not_ready = [] if nats_ready else ["external NATS not reachable"]
         else:
+            nats_ready = nats.ready >= nats.desired
             self.cond(C.COND_NATS_READY, nats_ready, "NatsAvailable" if nats_ready else "NatsNotReady",
                       f"{nats.ready_ratio} NATS servers ready")  # fmt: skip
-        not_ready = [] if nats_ready else [f"nats {nats.ready_ratio}"]  # type: ignore[union-attr]
+            not_ready = [] if nats_ready else [f"nats {nats.ready_ratio}"]
         for role in C.TRAINING_ROLES:
             counts = st.replica_statuses.get(C.ROLE_FIELDS[role])
             if counts is None:
@@ -275,6 +322,19 @@ class _Pass:
         if restarting is not None and restarting.status == "True" and st.attempt_ready_time is not None:
             self.cond(C.COND_RESTARTING, False, "Recovered", f"attempt {st.attempt} is ready")
 
+    def external_nats(self) -> bool:
+        """An external NATS is ready only once the operator connected to it."""
+        url = self.st.nats_url
+        if self.nats is None:
+            self.cond(C.COND_NATS_READY, False, "NatsNotChecked", f"no connection to {url} tried yet")
+            return False
+        if not self.nats.connected:
+            self.cond(C.COND_NATS_READY, False, "NatsUnreachable",
+                      f"cannot connect to {url}: {self.nats.error or 'unknown error'}")  # fmt: skip
+            return False
+        self.cond(C.COND_NATS_READY, True, "ExternalNats", f"connected to {url}")
+        return True
+
     def deadlines(self, spec: PersiaJobSpec) -> None:
         ads = spec.run_policy.active_deadline_seconds
         running_for = _seconds_since(self.now, self.st.start_time)
@@ -296,9 +356,11 @@ def derive_status(
     children: Children,
     now: datetime,
     errors: Sequence[ChildError] = (),
+    nats: NatsObservation | None = None,
 ) -> JobStatus:
-    """The next status of `job`; `errors` are API errors of this pass's child writes."""
-    p = _Pass(job, children, now)
+    """The next status of `job`; `errors` are API errors of this pass's child writes,
+    `nats` the latest probe of the job's NATS (None: none yet)."""
+    p = _Pass(job, children, now, nats)
     prev = job.status
     if prev.terminal():  # sticky: only the counts move
         running = effective_job(job.metadata, p.st)
@@ -312,8 +374,9 @@ def derive_status(
 
     locked = prev.start_time is not None and not prev.is_true(C.COND_SUSPENDED)
     acceptance = accept_spec(job.spec, prev.accepted_spec, locked=locked)
-    if acceptance.spec is None:
-        message = f"invalid spec: {acceptance.error}"
+    name_problems = check_job_name(p.name)
+    if acceptance.spec is None or name_problems:
+        message = f"invalid spec: {'; '.join([*name_problems, *([acceptance.error] if acceptance.error else [])])}"
         p.cond(C.COND_CREATED, False, "InvalidSpec", message)
         p.cond(C.COND_SPEC_ACCEPTED, False, "InvalidSpec", message)
         p.cond(C.COND_FAILED, True, "InvalidSpec", message)
@@ -328,6 +391,7 @@ def derive_status(
     if locked:
         p.resize(spec, acceptance.replica_changes)
     p.outcome(spec)
+    p.checkpoint()
     missing = p.created(spec, errors)
     p.readiness(spec, missing)
     if p.st.terminal() is None:

@@ -47,6 +47,8 @@ RESOURCES = {
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True),
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
     "v1/configmaps": kmock.ResourceInfo(kind="ConfigMap", namespaced=True),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
     "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True, subresources={"status"}),
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, subresources={"status"}),
@@ -288,7 +290,8 @@ class OperatorThread:
     def __init__(self, server: str, interval: float = 0.1, liveness: str | None = None,
                  namespaces: list[str] | None = None):  # fmt: skip
         self.registry = kopf.OperatorRegistry()
-        self.config = OperatorConfig(reconcile_interval=interval, liveness=liveness, namespaces=namespaces or [])
+        self.config = OperatorConfig(reconcile_interval=interval, nats_probe_interval=interval, liveness=liveness,
+                                     namespaces=namespaces or [])
         self.reconciler = register(self.registry, self.config, login=lambda **_: kopf.ConnectionInfo(server=server))
         self.ready = threading.Event()
         self.loop = asyncio.new_event_loop()
@@ -308,7 +311,7 @@ class OperatorThread:
         except BaseException as err:  # surfaced by stop()
             self.error = err
         finally:
-            self.loop.run_until_complete(self.reconciler.api.close())
+            self.loop.run_until_complete(self.reconciler.close())
             self.loop.close()
 
     async def start(self) -> None:
@@ -398,6 +401,10 @@ def observe(
                 pod = pod_body(manifest, i, pod_status)
                 pod["status"] = (overrides or {}).get(pod["metadata"]["name"], pod["status"])
                 summaries.append(summarize("Pod", pod))
+    jobs = {m["metadata"]["labels"][C.LABEL_JOB] for m in manifests}
+    for job in sorted(jobs):  # the generated Secret is not rendered (random content) but exists
+        if f"Secret/{job}-auth" not in skip:
+            summaries.append({"kind": "Secret", "name": f"{job}-auth", "owner_uid": None})
     return summaries
 
 

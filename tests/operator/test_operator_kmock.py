@@ -108,7 +108,7 @@ async def test_pod_failure_restarts_the_whole_job(cluster, operator):
 async def test_backoff_exhausted_fails_and_cleans_up(cluster, operator):
     # KMock cannot: delete the pods of deleted StatefulSets (no garbage collection).
     await running_job(cluster, job_body(runPolicy={"backoffLimit": 1}))
-    await cluster.set_pod_status(NS, "demo-embedding-ps-a0-0", evicted_pod_status())
+    await cluster.set_pod_status(NS, "demo-embedding-ps-a0-0", failed_pod_status(143))
     await wait_for(lambda: at_attempt(cluster, 1), what="attempt 1")
     await start_pods(cluster, NS, NAME)
     await wait_for(lambda: phase(cluster) == "Running", what="running again")
@@ -230,7 +230,11 @@ async def test_seed_manifest_runs(cluster, operator):
     await wait_for(lambda: is_true(cluster, C.COND_CREATED, "adult-income", "default"), what="created")
     status = cluster.status("default", "adult-income")
     assert status["natsURL"] == "nats://persia-nats-service:4222"
-    assert cluster.condition("default", "adult-income", C.COND_NATS_READY)["reason"] == "ExternalNats"
+    # An external NATS is ready only once the operator connected to it: this one does not exist.
+    await wait_for(lambda: cluster.condition("default", "adult-income", C.COND_NATS_READY)["reason"]
+                   == "NatsUnreachable", what="NatsUnreachable")  # fmt: skip
+    message = cluster.condition("default", "adult-income", C.COND_NATS_READY)["message"]
+    assert "cannot connect to nats://persia-nats-service:4222" in message
     assert cluster.names("apps/v1/statefulsets", "default") == {"adult-income-embedding-ps", "adult-income-embedding-worker"}
     assert cluster.names("batch/v1/jobs", "default") == {"adult-income-nn-worker", "adult-income-dataloader"}
 

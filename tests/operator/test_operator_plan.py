@@ -32,7 +32,13 @@ def test_fresh_job_creates_every_child():
     sim.step()
     actions = plan(sim, [])
     assert all(isinstance(a, Create) for a in actions)
-    assert keys(actions, Create) == sorted((m["kind"], m["metadata"]["name"]) for m in sim.manifests())
+    expected = [(m["kind"], m["metadata"]["name"]) for m in sim.manifests()] + [("Secret", "demo-auth")]
+    assert keys(actions, Create) == sorted(expected)
+    secret = next(a.manifest for a in actions if a.key == ("Secret", "demo-auth"))
+    # Random credentials, a fresh one per key; the managed NATS and the pods read them.
+    data = secret["stringData"]
+    assert data["nats-user"] == "persia" and len(data["nats-password"]) >= 32
+    assert data["job-secret"] != data["nats-password"]
 
 
 def test_complete_job_needs_nothing():
@@ -56,7 +62,8 @@ def test_restart_replaces_workloads_of_the_old_attempt():
     assert keys(actions, Delete) == [("Job", "demo-dataloader"), ("Job", "demo-nn-worker"),
                                      ("StatefulSet", "demo-embedding-ps"), ("StatefulSet", "demo-embedding-worker")]  # fmt: skip
     assert keys(actions, Create) == []  # same names: created once the old ones are gone
-    gone = [s for s in old if s["kind"] in ("Service", "ConfigMap") or s["role"] == "nats"]
+    gone = [s for s in old if s["kind"] in ("Service", "ConfigMap", "Secret", "PodDisruptionBudget")
+            or s.get("role") == "nats"]  # fmt: skip
     created = keys(plan(sim, gone), Create)
     assert created == [("Job", "demo-dataloader"), ("Job", "demo-nn-worker"),
                        ("StatefulSet", "demo-embedding-ps"), ("StatefulSet", "demo-embedding-worker")]  # fmt: skip

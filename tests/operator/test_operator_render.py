@@ -115,6 +115,7 @@ def test_persia_example_children():
         ("Service", "adult-income-embedding-worker"), ("StatefulSet", "adult-income-embedding-worker"),
         ("Service", "adult-income-nn-worker"), ("Job", "adult-income-nn-worker"),
         ("Service", "adult-income-dataloader"), ("Job", "adult-income-dataloader"),
+        ("PodDisruptionBudget", "adult-income-embedding-ps"),
     }  # fmt: skip  (no NATS: PERSIA's manifest brings its own)
     nn = children[("Job", "adult-income-nn-worker")]
     assert nn["spec"]["completionMode"] == "Indexed"
@@ -158,7 +159,9 @@ def test_env_contract_order_and_values():
     names = [e["name"] for e in container(nn)["env"]]
     assert names == ["PERSIA_NATS_URL", "PERSIA_JOB_NAME", "PERSIA_GLOBAL_CONFIG", "PERSIA_EMBEDDING_CONFIG",
                      "REPLICA_INDEX", "REPLICA_SIZE", "NPROC_PER_NODE", "PERSIA_NN_WORKER_ENTRY",
-                     "PERSIA_METRICS_PORT", "LOG_LEVEL", "SHARED"]  # fmt: skip
+                     "PERSIA_METRICS_PORT", "PERSIA_BIND_ADDRESS", "PERSIA_GRACE_PERIOD_SECONDS",
+                     "PERSIA_JOB_SECRET", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD", "HOME",
+                     "LOG_LEVEL", "SHARED"]  # fmt: skip
     env = env_map(nn)
     assert env["LOG_LEVEL"] == "debug"  # spec.env overrides the contract; the last definition wins
     assert env["SHARED"] == "nn"  # role env overrides spec.env
@@ -246,7 +249,9 @@ def test_template_overlay_and_policies():
     assert pod["metadata"]["labels"][C.LABEL_ROLE] == "nn-worker"  # the overlay cannot take our labels
     assert "prometheus.io/scrape" not in pod["metadata"].get("annotations", {})
     main = container(nn)
-    assert main["securityContext"] == {"runAsNonRoot": True}  # merged into the container by name
+    # merged into the container by name, over the restricted default
+    assert main["securityContext"] == {"runAsNonRoot": True, "allowPrivilegeEscalation": False,
+                                       "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": False}  # fmt: skip
     assert main["args"][0] == "nn-worker" and main["image"] == "registry.local/persia:1.0"
     assert main["imagePullPolicy"] == "IfNotPresent"
     assert {"name": "data", "mountPath": "/data", "readOnly": True} in main["volumeMounts"]

@@ -69,7 +69,7 @@ def test_nats_not_ready_keeps_the_job_not_ready():
     [
         ("demo-nn-worker-1", failed(137, "OOMKilled"), "PodFailed", 1),
         ("demo-dataloader-0", failed(143), "PodFailed", 1),
-        ("demo-embedding-ps-1", EVICTED, "PodEvicted", 1),
+        ("demo-embedding-ps-1", EVICTED, "PodEvicted", 0),
         ("demo-embedding-worker-0", restarted(139), "PodFailed", 1),
         ("demo-nn-worker-0", failed(1), "PermanentExitCode", 0),
         ("demo-embedding-ps-0", restarted(2), "PermanentExitCode", 0),
@@ -79,7 +79,10 @@ def test_failure_table(pod, status, reason, restarts):
     sim = Sim().running()
     st = sim.step(sim.children(overrides={pod: status}))
     assert st.restart_count == restarts
-    if restarts:
+    if reason == "PodEvicted":  # evictions restart the job without counting (safe default)
+        assert st.uncounted_restarts == 1 and st.attempt == 1
+        assert cond(st, C.COND_RESTARTING) == ("True", reason)
+    elif restarts:
         assert cond(st, C.COND_RESTARTING) == ("True", reason)
         assert st.attempt == 1 and st.phase == "Restarting"
         assert pod in st.condition(C.COND_RESTARTING).message
@@ -112,6 +115,9 @@ def test_backoff_limit_exceeded():
     sim.step(sim.children(overrides={"demo-nn-worker-0": failed(137)}))
     sim.step(sim.children())
     st = sim.step(sim.children(overrides={"demo-embedding-ps-0": EVICTED}))
+    assert st.terminal() is None and st.uncounted_restarts == 1  # evictions never count
+    sim.step(sim.children())
+    st = sim.step(sim.children(overrides={"demo-embedding-ps-0": restarted(143)}))
     assert cond(st, C.COND_FAILED) == ("True", "BackoffLimitExceeded")
     assert "1 of 1 restarts used" in st.condition(C.COND_FAILED).message
     assert st.restart_count == 1 and st.phase == "Failed"
