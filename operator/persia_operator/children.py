@@ -210,7 +210,7 @@ def _summarize_pod(status: dict[str, Any]) -> dict[str, Any]:
     for cs in status.get("containerStatuses") or []:
         restarts += cs.get("restartCount", 0) or 0
         state = cs.get("state") or {}
-        started = started or bool(state.get("running") or state.get("terminated") or cs.get("restartCount"))
+        started = started or "running" in state or "terminated" in state or bool(cs.get("restartCount"))
         last = cs.get("lastState") or {}
         term = state.get("terminated") or (last.get("terminated") if cs.get("restartCount") else None)
         if term:

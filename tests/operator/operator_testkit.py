@@ -444,10 +444,10 @@ class Sim:
         self.status = JobStatus()
         self.now = NOW
 
-    def step(self, summaries=(), seconds: float = 1, errors=()) -> JobStatus:
+    def step(self, summaries=(), seconds: float = 1, errors=(), nats=None) -> JobStatus:
         self.now = self.now + timedelta(seconds=seconds)
         job = ObservedJob.from_body({**self.body, "status": self.status.to_wire()})
-        self.status = derive_status(job, Children.from_summaries(summaries, owner_uid="uid-1"), self.now, errors)
+        self.status = derive_status(job, Children.from_summaries(summaries, owner_uid="uid-1"), self.now, errors, nats)
         return self.status
 
     def manifests(self) -> list[dict]:
