@@ -90,8 +90,10 @@ async def probe(target: NatsTarget, timeout: float = 2.0) -> NatsObservation:
             options.update(user=target.user, password=target.password or "")
         if target.token:
             options["token"] = target.token
-        if target.creds:
+        if target.creds and "BEGIN NATS USER JWT" in target.creds:
             options["user_credentials"] = RawCredentials(target.creds)
+        elif target.creds:
+            options["nkeys_seed_str"] = target.creds.strip()
         try:
             tls = _tls_context(target, workdir)
             if tls is not None:

@@ -139,9 +139,7 @@ def _broken(**changes: Any) -> dict[str, Any]:
     return with_changes(job_body(), **changes)
 
 
-@pytest.mark.parametrize(
-    "body, cel_message, operator_message",
-    [
+CEL_CASES = [
         (_broken(metadata__name="j" * (C.MAX_JOB_NAME + 1)), f"at most {C.MAX_JOB_NAME} characters", f"at most {C.MAX_JOB_NAME} are allowed"),
         (_broken(metadata__name="Adult_Income"), "DNS-1035 label", "DNS-1035 label"),
         (_broken(spec__nnWorker__replicas=0), "replicas must be between 1 and 1024", "spec.nnWorker.replicas: replicas must be between 1 and 1024, got 0"),
@@ -153,8 +151,30 @@ def _broken(**changes: Any) -> dict[str, Any]:
         (_broken(spec__configs__embeddingConfig=None), "set exactly one of persiaEnv.PERSIA_EMBEDDING_CONFIG", "(neither is set)"),
         (_broken(spec__persiaEnv__PERSIA_NN_WORKER_ENTRY=None), "PERSIA_NN_WORKER_ENTRY is required", "PERSIA_NN_WORKER_ENTRY is required"),
         (_broken(spec__persiaEnv__PERSIA_DATALOADER_ENTRY=None), "PERSIA_DATALOADER_ENTRY is required", "PERSIA_DATALOADER_ENTRY is required"),
-    ],
-)  # fmt: skip
+        (_broken(spec__checkpoint={"intervalSteps": 5}), "checkpoint: set exactly one of persistentVolumeClaim and volume", "exactly one of persistentVolumeClaim and volume"),
+        (_broken(spec__nats={"auth": {"secretName": "x"}}), "nats.auth and nats.tls are for an external NATS (nats.externalURL)", "nats.auth and nats.tls are for an external NATS"),
+        (_broken(spec__nats={"managed": True, "tls": {"secretName": "x"}}), "nats.auth and nats.tls are for an external NATS; a managed", "nats.auth and nats.tls are for an external NATS"),
+]  # fmt: skip
+
+
+def _rules(node: Any):
+    if isinstance(node, dict):
+        yield from node.get("x-kubernetes-validations", [])
+        for value in node.values():
+            yield from _rules(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _rules(value)
+
+
+def test_every_cel_rule_has_an_operator_case():
+    """Item 6 of issue 11: no CEL rule without the same check in the operator."""
+    messages = {rule["message"] for rule in _rules(crd())}
+    covered = {m for m in messages if any(m.startswith(case[1]) or case[1] in m for case in CEL_CASES)}
+    assert covered == messages, messages - covered
+
+
+@pytest.mark.parametrize("body, cel_message, operator_message", CEL_CASES)
 def test_cel_rule_and_operator_validation_agree(body, cel_message, operator_message):
     """Each CEL rule rejects its sample, and so does the operator (for clusters and
     tools without CEL: the operator reports Failed/InvalidSpec, `render` an error)."""
