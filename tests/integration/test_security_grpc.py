@@ -1,0 +1,157 @@
+"""gRPC security with real servers on loopback: TLS and mutual TLS round trips (throwaway
+certificates made with the openssl CLI), plaintext or certificate-less clients refused, and
+malformed or oversized requests answered INVALID_ARGUMENT while the server keeps serving."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+
+from persia import rpc
+from persia import messages as M
+from persia.errors import RemoteError
+from persia.security import GrpcTls
+
+from .cluster import cluster
+
+pytestmark = pytest.mark.integration
+
+
+def _openssl(*args: str, cwd) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate, all signed by it."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    d = tmp_path_factory.mktemp("certs")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
+             "-days", "1", "-subj", "/CN=persia-test-ca", cwd=d)
+    for name, ext in (("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"), ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                 "-subj", f"/CN=persia-{name}", cwd=d)
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "1", "-extfile", f"{name}.ext", cwd=d)
+    (d / "other.key").touch()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "other.key", "-out", "other.pem",
+             "-days", "1", "-subj", "/CN=not-our-ca", cwd=d)
+    return d
+
+
+def _tls(d, ca=True, cert=None) -> GrpcTls:
+    return GrpcTls(ca=(d / "ca.pem").read_bytes() if ca else None,
+                   cert=(d / f"{cert}.pem").read_bytes() if cert else None,
+                   key=(d / f"{cert}.key").read_bytes() if cert else None)
+
+
+def _echo_server(tls: GrpcTls):
+    return rpc.serve("persia.Echo", {"Echo": (lambda r: {"echo": r["x"]}, None)}, 0, host="127.0.0.1", tls=tls)
+
+
+def _call(port: int, tls: GrpcTls):
+    client = rpc.Client(f"127.0.0.1:{port}", "persia.Echo", tls=tls)
+    try:
+        return client.call("Echo", {"x": np.arange(3)}, timeout=10)
+    finally:
+        client.close()
+
+
+def _refused(port: int, tls: GrpcTls) -> None:
+    with pytest.raises(RemoteError) as err:
+        _call(port, tls)
+    assert err.value.kind == "UNAVAILABLE", err.value
+
+
+def test_tls_round_trip_and_plaintext_refused(certs):
+    server, port = _echo_server(_tls(certs, ca=False, cert="server"))
+    try:
+        assert _call(port, _tls(certs))["echo"].tolist() == [0, 1, 2]
+        _refused(port, GrpcTls())  # plaintext client
+        _refused(port, GrpcTls(ca=(certs / "other.pem").read_bytes()))  # does not trust our CA
+    finally:
+        server.stop(None)
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(certs):
+    server, port = _echo_server(_tls(certs, ca=True, cert="server"))
+    try:
+        assert _call(port, _tls(certs, cert="client"))["echo"].tolist() == [0, 1, 2]
+        _refused(port, _tls(certs))  # no client certificate
+        _refused(port, GrpcTls(ca=(certs / "ca.pem").read_bytes(), cert=(certs / "other.pem").read_bytes(),
+                               key=(certs / "other.key").read_bytes()))  # a certificate from another CA
+    finally:
+        server.stop(None)
+
+
+def test_ps_and_worker_under_mutual_tls_from_env(certs, persia_env, monkeypatch):
+    """The real services take their certificates from PERSIA_GRPC_TLS_* (the operator's contract)."""
+    monkeypatch.setenv("PERSIA_GRPC_TLS_CA", str(certs / "ca.pem"))
+    monkeypatch.setenv("PERSIA_GRPC_TLS_CERT", str(certs / "server.pem"))
+    monkeypatch.setenv("PERSIA_GRPC_TLS_KEY", str(certs / "server.key"))
+    with cluster(1, 1) as (ps, ew):
+        ps.configure({})
+        # the embedding worker reached the PS over mutual TLS (it presented the server pair as its client certificate)
+        req = {"batch_size": 2, "features": [{"name": "user", "values": np.array([1, 2], np.uint64),
+                                              "offsets": np.array([0, 1, 2], np.int64)}]}
+        client = rpc.Client(f"127.0.0.1:{ew.port}", "persia.EmbeddingWorker")
+        try:
+            out = client.call("LookupDirect", req, timeout=10)
+            assert len(out["slots"]) == 1 and ps.stats()["replica_index"] == 0
+        finally:
+            client.close()
+        plain = rpc.Client(f"127.0.0.1:{ps.port}", "persia.EmbeddingParameterServer", tls=GrpcTls())
+        with pytest.raises(RemoteError) as err:
+            plain.call("Stats", None, timeout=5)
+        assert err.value.kind == "UNAVAILABLE", err.value
+        plain.close()
+
+
+@pytest.mark.parametrize("method, request_", [
+    ("LookupDirect", {"batch_size": 10**12, "features": []}),
+    ("LookupDirect", {"batch_size": 4, "features": [{"name": "user", "values": np.zeros(2, np.float64),
+                                                     "offsets": np.array([0, 1, 2, 2, 2])}]}),
+    ("Lookup", {"ref": -1}),
+    ("Lookup", {}),
+    ("Update", {"ref": 1, "grads": "x"}),
+    ("Release", {"refs": ["a"]}),
+    ("Stats", {"x": 1}),
+])
+def test_malformed_worker_requests_are_invalid_argument(persia_env, method, request_):
+    with cluster(1, 1) as (ps, ew):
+        client = rpc.Client(f"127.0.0.1:{ew.port}", "persia.EmbeddingWorker")
+        try:
+            with pytest.raises(RemoteError) as err:
+                client.call(method, request_, timeout=10)
+            assert err.value.kind == "INVALID_ARGUMENT", err.value
+            assert client.call("Stats", None, timeout=10)["pending"] == 0  # still serving
+        finally:
+            client.close()
+
+
+def test_undecodable_and_oversized_ps_requests_are_invalid_argument(persia_env):
+    with cluster(1, 0) as (ps,):
+        ps.configure({})
+        channel = grpc.insecure_channel(f"127.0.0.1:{ps.port}")
+        raw = channel.unary_unary("/persia.EmbeddingParameterServer/Lookup",
+                                  request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        for blob in (b"", b"garbage", b"PW1\x00\xff\xff\xff\xff", rpc._pack([1, 2])):
+            with pytest.raises(grpc.RpcError) as err:
+                raw(blob, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (blob, err.value)
+        channel.close()
+        client = rpc.Client(f"127.0.0.1:{ps.port}", "persia.EmbeddingParameterServer")
+        try:
+            too_wide = {"train": True, "tables": [{"dim": M.MAX_DIM + 1, "signs": np.arange(3, dtype=np.uint64)}]}
+            with pytest.raises(RemoteError, match="INVALID_ARGUMENT|dim"):
+                client.call("Lookup", too_wide, timeout=10)
+            assert len(ps.store) == 0
+            assert client.call("Stats", None, timeout=10)["replica_index"] == 0
+        finally:
+            client.close()
