@@ -1,0 +1,44 @@
+"""Install the operator the way a user does: the chart rendered by Helm (helm_python, Helm's
+Go library), CRDs first (Helm's crds/), then the release's manifests, all through kubectl.
+
+The chart's Deployment then runs as a pod of the process kubelet: the operator is
+`persia-operator run …` exactly as the chart writes it, its own process, logged in
+through the kubeconfig the kubelet gives every pod.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .cluster import Cluster
+
+REPO = Path(__file__).resolve().parents[1]
+CHART = REPO / "charts" / "persia-operator"
+RELEASE = "persia"
+NAMESPACE = "persia-system"
+
+
+def render_chart(values: dict[str, Any], name: str = RELEASE, namespace: str = NAMESPACE) -> str:
+    """The chart's templates as one multi-document YAML (no CRDs: Helm installs crds/ apart)."""
+    import helm_python as helm
+
+    with helm.Chart.load(str(CHART)) as chart:
+        out = chart.render(values=values, name=name, namespace=namespace, is_install=True)
+    docs = [text for path, text in sorted(out.items()) if path.endswith(".yaml") and "/crds/" not in path and text.strip()]
+    return "\n---\n".join(docs)
+
+
+def namespace_manifest(name: str) -> str:
+    # `kubectl create namespace` sends protobuf, which the harness does not decode.
+    return yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+
+
+def install_operator(cluster: Cluster, values: dict[str, Any] | None = None) -> str:
+    """CRDs + chart through kubectl; returns kubectl's output."""
+    out = cluster.kubectl("apply", "-f", str(CHART / "crds"))
+    out += cluster.kubectl("apply", "-f", "-", stdin=namespace_manifest(NAMESPACE))
+    out += cluster.kubectl("apply", "-n", NAMESPACE, "-f", "-", stdin=render_chart(values or {}))
+    return out
