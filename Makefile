@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-faults test-fast bench bench-ps bench-smoke crds chart lint images e2e clean
+.PHONY: venv demo test test-faults test-fast bench bench-ps bench-smoke crds chart lint images e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,11 @@ demo: $(STAMP)
 	  --num-ps 1 --num-embedding-workers 1 --nproc-per-node 1 --num-data-loaders 1 \
 	  --job-name adult-income
 
+# e2e/tests runs in a pytest of its own: tests/e2e is a package named `e2e` too. Its fast
+# parts (harness units, kubectl against the stand-in cluster) run here; the scenarios skip.
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider e2e/tests
 
 ## Fault injection alone (real processes, real signals); also part of `make test`.
 test-faults: $(STAMP)
@@ -34,6 +37,7 @@ test-faults: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" e2e/tests
 
 crds: $(STAMP)
 	$(PY) -m persia_operator.crdgen > crds/persiajobs.persia.com.yaml
@@ -58,6 +62,15 @@ bench: $(BENCH_STAMP) bench-ps
 
 lint: $(STAMP)
 	$(PY) -c "import helm_python; helm_python.lint('charts/persia-operator', strict=True)"
+
+## The user's path end to end (kubectl, chart, operator process, trainings) on the stand-in
+## cluster in e2e/ (KMock-based API server + process kubelet). Several minutes; not in `make test`.
+e2e: $(STAMP)
+	PERSIA_E2E=1 $(PY) -m pytest -q -p no:cacheprovider e2e/tests
+
+## The same scenarios on a real kind cluster (needs docker and kind; skips with a message otherwise).
+e2e-kind:
+	e2e/kind/run.sh
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build runtime/persia/embedding_ps/*.so

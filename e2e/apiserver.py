@@ -46,27 +46,12 @@ import aiohttp.web
 import jsonpatch
 import kmock
 from kmock._internal import dicts as kmock_dicts
-from kmock._internal import parsing, rendering
+from kmock._internal import rendering
+
+from . import kmock_patches  # noqa: F401  (KMock 0.8 crashes on /api/v1/namespaces without it)
 
 from .selectors import parse_field_selector, parse_label_selector
 from .tables import table
-
-_kmock_parse_path = parsing.parse_path
-
-
-def _safe_parse_path(path: str) -> parsing.ParsedPath:
-    """KMock 0.8's parse_path raises on /api/v1/namespaces (it takes "namespaces" for the
-    start of a namespaced path and unpacks nothing); that request then fails with a 500
-    before any handler runs. Upstream-able fix: treat it as the namespaces resource."""
-    try:
-        return _kmock_parse_path(path)
-    except ValueError:
-        segs = [s for s in path.strip("/").split("/") if s]
-        group, version = ("", segs[1]) if segs[0] == "api" else (segs[1], segs[2])
-        return parsing.ParsedPath(group, version, "namespaces")
-
-
-parsing.parse_path = _safe_parse_path
 
 SERVER_VERSION = {"major": "1", "minor": "32", "gitVersion": "v1.32.0-e2e-harness", "platform": "linux/amd64"}
 

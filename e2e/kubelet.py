@@ -137,6 +137,7 @@ class Kubelet:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="e2e-kubelet", daemon=True)
         self.errors: list[str] = []
+        self.groups: list[tuple[str, int]] = []  # ("<namespace>_<pod>", process group) of every process started
         self.lock = threading.RLock()
         assert cluster.api is not None
         cluster.api.log_reader = self.read_log
@@ -166,6 +167,21 @@ class Kubelet:
         with self.lock:
             return [(rt.namespace, rt.name, c.proc.pid) for rt in self.pods.values() for c in rt.containers
                     if c.proc is not None and c.proc.poll() is None]  # fmt: skip
+
+    def live_groups(self, namespace: str, pod_prefix: str) -> list[tuple[str, int]]:
+        """Process groups ever started for pods named `pod_prefix`* that still have a
+        process (the container's children included), checked with signal 0."""
+        alive = []
+        for pod, pgid in list(self.groups):
+            if pod.startswith(f"{namespace}_{pod_prefix}"):
+                try:
+                    os.killpg(pgid, 0)
+                    alive.append((pod, pgid))
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    alive.append((pod, pgid))
+        return alive
 
     def read_log(self, namespace: str, pod: str, container: str | None, previous: bool) -> str | None:
         base = self.workdir / "pods" / f"{namespace}_{pod}"
@@ -446,7 +462,7 @@ class Kubelet:
     def _spawn(self, c: Container) -> None:
         if c.log.exists() and c.restarts:
             c.log.replace(c.log.with_name(c.log.name.replace(".log", ".previous.log")))
-        out = open(c.log, "ab")
+        out = open(c.log, "ab" if c.restarts else "wb")  # a new pod starts a new log
         try:
             c.proc = subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=out, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
@@ -457,6 +473,7 @@ class Kubelet:
         finally:
             out.close()
         c.started_at = iso()
+        self.groups.append((c.log.parent.name, c.proc.pid))
         c.ready = False
         c.next_probe = 0.0
 

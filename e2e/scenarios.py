@@ -1,0 +1,108 @@
+"""Steps the scenarios share, everything through kubectl where a user would use it.
+
+`PjWatch` polls `kubectl get pj <name> --no-headers` and keeps every distinct line, so a
+scenario can show the printer columns moving (Pending -> Running -> Succeeded).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .cluster import Cluster, KubectlError, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "adult-income" / "persiajob.yaml"
+SEED = REPO / "examples" / "k8s" / "adult-income.train.yaml"
+EXTERNAL_NATS = Path(__file__).resolve().parent / "manifests" / "persia-nats.yaml"
+AUC = re.compile(r"test AUC ([0-9.]+)")
+
+
+def example_manifest(name: str, **spec_changes: object) -> str:
+    """examples/adult-income/persiajob.yaml under another name (top-level spec keys replaced)."""
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"]["name"] = name
+    body["spec"].update(spec_changes)
+    return yaml.safe_dump(body)
+
+
+@dataclass
+class PjWatch:
+    cluster: Cluster
+    name: str
+    namespace: str = "default"
+    lines: list[str] = field(default_factory=list)
+
+    def line(self, wide: bool = False) -> str:
+        args = ["get", "pj", self.name, "-n", self.namespace, "--no-headers"] + (["-o", "wide"] if wide else [])
+        text = " ".join(self.cluster.kubectl(*args).split())
+        if not self.lines or self.lines[-1] != text:
+            self.lines.append(text)
+        return text
+
+    def phase(self) -> str:
+        return self.line().split()[1] if len(self.line().split()) > 1 else ""
+
+    def until(self, phases: tuple[str, ...], timeout: float) -> str:
+        """Poll until the Phase column is one of `phases`; return that line."""
+        wait_until(lambda: self.phase() in phases, timeout, f"PersiaJob {self.name} to reach {phases} "
+                   f"(lines so far: {self.lines})", interval=1.0)  # fmt: skip
+        return self.lines[-1]
+
+
+def pods_of(cluster: Cluster, job: str, role: str | None = None, namespace: str = "default") -> list[str]:
+    selector = f"persia.com/job-name={job}" + (f",persia.com/role={role}" if role else "")
+    out = cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "name")
+    return [line.split("/", 1)[1] for line in out.split()]
+
+
+def nn_log(cluster: Cluster, job: str, namespace: str = "default") -> str:
+    """The NN worker pods' logs, through `kubectl logs` (the harness serves pods/log)."""
+    logs = []
+    for pod in pods_of(cluster, job, "nn-worker", namespace):
+        try:
+            logs.append(cluster.kubectl("logs", "-n", namespace, pod))
+        except KubectlError:
+            pass  # not started yet
+    return "\n".join(logs)
+
+
+def test_auc(log: str) -> float | None:
+    found = AUC.findall(log)
+    return float(found[-1]) if found else None
+
+
+test_auc.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
+
+
+def trained_batches(log: str) -> int:
+    found = re.findall(r"batch (\d+) loss", log)
+    return int(found[-1]) if found else -1
+
+
+def wait_operator_ready(cluster: Cluster, timeout: float = 120) -> None:
+    wait_until(lambda: cluster.kubectl("get", "deploy", "-n", "persia-system", "--no-headers").split()[1:2] == ["1/1"],
+               timeout, "the operator Deployment to be ready")  # fmt: skip
+
+
+def wait_gone(cluster: Cluster, job: str, prefixes: tuple[str, ...], timeout: float, namespace: str = "default") -> None:
+    """Until no pod (in the API) and no process (on this machine) of `job` with a name
+    starting with one of `prefixes` is left."""
+    assert cluster.kubelet is not None
+
+    def gone() -> bool:
+        pods = [p for p in pods_of(cluster, job, None, namespace) if p.startswith(prefixes)]
+        groups = [g for prefix in prefixes for g in cluster.kubelet.live_groups(namespace, prefix)]
+        return not pods and not groups
+
+    wait_until(gone, timeout, f"pods and processes {prefixes} of {job} to be gone", interval=0.5)
+
+
+def timed(fn):  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    result = fn()
+    return result, time.monotonic() - start
