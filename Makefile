@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-faults test-fast bench bench-ps bench-smoke crds chart lint images e2e e2e-kind clean
+.PHONY: venv demo test test-faults test-fast bench bench-ps bench-smoke bench-latency crds chart lint images e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -57,8 +57,14 @@ bench-ps: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) -m bench.e2e_bench --smoke
 
+# The whole benchmark, latency runs included (< 30 minutes on 2 cores).
 bench: $(BENCH_STAMP) bench-ps
 	$(PY) -m bench.e2e_bench
+
+## Only the latency runs (every connection between roles delayed 0, 0.5, 2 ms), merged into the last
+## `make bench` results and report.
+bench-latency: $(STAMP)
+	$(PY) -m bench.e2e_bench --only-latency
 
 lint: $(STAMP)
 	$(PY) -c "import helm_python; helm_python.lint('charts/persia-operator', strict=True)"

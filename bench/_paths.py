@@ -19,18 +19,24 @@ def ensure_example_importable() -> None:
         sys.path.insert(0, path)
 
 
-# Same for every system. OpenMP's default spin-waiting makes a 2-thread torch process several
-# times slower as soon as another process wants a core (measured here: 4-7k instead of 20k
-# samples/s); passive waiting keeps it close to 1 thread under load.
-RUN_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Our system's roles share the cores: OpenMP's default spin-waiting makes a 2-thread torch process
+# several times slower as soon as another process wants a core (measured here: 4-7k instead of 20k
+# samples/s), so local mode waits passively (the launcher sets it too). A lone baseline process
+# gets torch's default threading instead: passive waiting cost it a third of its speed (14.9k
+# against 23.4k samples/s at batch 256).
+SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for a benchmark subprocess: repo root and the example on PYTHONPATH, RUN_ENV
-    unless the caller's environment already sets those variables."""
+def child_env(extra: dict[str, str] | None = None, shared_cores: bool = True) -> dict[str, str]:
+    """Environment for a benchmark subprocess: repo root and the example on PYTHONPATH;
+    SHARED_CORES_ENV (unless the caller's environment sets those variables) when the run's
+    processes share the cores, none of it (torch's defaults) for a single-process baseline."""
     env = dict(os.environ)
-    for key, value in RUN_ENV.items():
-        env.setdefault(key, value)
+    for key, value in SHARED_CORES_ENV.items():
+        if shared_cores:
+            env.setdefault(key, value)
+        else:
+            env.pop(key, None)
     parts = [str(REPO_ROOT), str(EXAMPLE_DIR)]
     if env.get("PYTHONPATH"):
         parts.append(env["PYTHONPATH"])

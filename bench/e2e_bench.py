@@ -45,6 +45,7 @@ class SystemPlan:
     threads: int | None = None  # None: the profile's baseline_threads (our launcher sets its own)
     staleness: int | None = None  # persia-hybrid only; None: the profile's hybrid_staleness
     nn_threads: int | None = None  # our system only; None: the profile's persia_nn_threads
+    fused: bool = False  # torch only: torch's own optimizers instead of the PS's formula
 
 
 LAUNCHER_BUDGET = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's budget
@@ -57,6 +58,42 @@ class ModelPlan:
     test_rows: int
     systems: tuple[SystemPlan, ...]
     curve_eval_rows: int | None = None  # None: the profile's
+    batch_size: int | None = None  # None: the profile's
+    name: str | None = None  # the group its runs are reported under; None: ``mlp``
+
+    @property
+    def key(self) -> str:
+        return self.name or self.mlp
+
+
+@dataclass(frozen=True)
+class LatencyPlan:
+    """``make bench-latency``: every connection between our roles through a delaying proxy
+    (bench/latency_run.py), at each one-way delay; torch (no network) beside it, once per seed."""
+
+    train_rows: int
+    test_rows: int
+    delays_ms: tuple[float, ...] = (0.0, 0.5, 2.0)
+    systems: tuple[SystemPlan, ...] = (
+        SystemPlan("persia-sync"),
+        SystemPlan("persia-hybrid"),  # the profile's headline bound
+        SystemPlan("persia-hybrid", staleness=10),  # PERSIA's examples'
+    )
+    baseline: SystemPlan | None = SystemPlan("torch", threads=2, fused=True)
+    repeats: int | None = None  # None: the profile's
+    mlp: str = "mlp400"
+
+
+def latency_group(delay_ms: float | None) -> str:
+    """The report group of a latency run: one per delay; the undelayed torch baseline its own."""
+    return "latency_torch" if delay_ms is None else f"latency_{delay_ms:g}ms"
+
+
+@dataclass(frozen=True)
+class Planned:
+    group: str  # what the report groups by (with the label): a model key or a latency group
+    spec: RunSpec
+    delay_ms: float | None = None  # through the delaying proxies (latency runs of our system)
 
 
 @dataclass(frozen=True)
@@ -71,6 +108,7 @@ class Profile:
     curve_eval_rows: int = 20000
     run_timeout_s: float = 600.0
     adult_income: bool = True
+    latency: LatencyPlan | None = None
     # the headline hybrid configuration (ratio_*, auc_gap_hybrid_sync): its staleness bound, and
     # the torch threads of our NN worker in every run (None: the launcher's thread budget)
     hybrid_staleness: int = DEFAULT_HYBRID_STALENESS
@@ -78,36 +116,50 @@ class Profile:
     notes: tuple[str, ...] = field(default=())
 
 
-_SYSTEMS_MLP400 = (
-    # One process gets the whole machine: 2 torch threads (with OMP_WAIT_POLICY=PASSIVE as fast as 1
-    # thread or faster). The headline baseline is always the fastest torch configuration measured.
+_BASELINES = (
+    # One process gets the whole machine with torch's default threading (2 threads spin-waiting as
+    # OpenMP does by default). The PS-formula variant is the AUC reference; the ratios are to the
+    # fastest torch configuration of the same model in the same run.
     SystemPlan("torch", threads=2),
-    SystemPlan("torchrec", threads=2),
+    SystemPlan("torch", threads=2, fused=True),
+)
+_SYSTEMS_MLP400 = (
+    *_BASELINES,
+    SystemPlan("torchrec", threads=2, repeats=1),
     SystemPlan("persia-hybrid"),  # the profile's hybrid_staleness: the headline configuration
     SystemPlan("persia-hybrid", staleness=10),  # PERSIA's examples' bound, for comparison
     SystemPlan("persia-sync"),
-    SystemPlan("persia-hybrid", repeats=1, num_ps=2, num_embedding_workers=2),
-    SystemPlan("persia-sync", repeats=1, num_ps=2, num_embedding_workers=2),
-    SystemPlan("persia-hybrid", repeats=1, nn_threads=LAUNCHER_BUDGET),  # what the default budget gives
+)
+_SYSTEMS_B1024 = (
+    SystemPlan("torch", threads=2, repeats=1),  # the AUC reference
+    SystemPlan("torch", threads=2, fused=True),
+    SystemPlan("persia-hybrid"),
+    SystemPlan("persia-sync", repeats=1),
+)
+_SYSTEMS_SHORT = (  # the AUC gap of the default setting in a short run (30 steps)
+    SystemPlan("persia-hybrid"),
+    SystemPlan("persia-hybrid", staleness=10),
+    SystemPlan("persia-sync"),
 )
 _SYSTEMS_FFNN = (
     SystemPlan("torch", threads=2),  # large GEMMs: 2 threads beat 1 by ~1.7x
-    SystemPlan("torchrec", threads=2, repeats=1),
+    SystemPlan("torch", threads=2, fused=True),
     SystemPlan("persia-hybrid"),
-    SystemPlan("persia-hybrid", repeats=1, nn_threads=LAUNCHER_BUDGET),
 )
 
 PROFILES: dict[str, Profile] = {
-    # Sized so that `make bench` (this plus the PS benchmark) stays under 20 minutes on 2 cores; see
+    # Sized so that `make bench` (this plus the PS benchmark) stays under 30 minutes on 2 cores; see
     # docs/benchmarks.md, "Sizes". Batch 256: 1,563 steps for the MLP-400 epoch (with 390 steps of
-    # 1024 the hybrid-vs-sync AUC gap was a short-run effect: -0.017 at staleness 10). Staleness 2
-    # is the headline: the best bound found (AUC 0.0003 below sync over 3 seeds against 0.0007-0.0009
-    # for staleness 10, and no slower on 2 cores); staleness 10 is measured beside it.
+    # 1024 the hybrid-vs-sync AUC gap was a short-run effect: -0.017 at staleness 10).
     "full": Profile(
         name="full",
         data=GeneratorConfig(train_rows=400_000, test_rows=50_000, seed=0, scale=0.01),
         models=(
             ModelPlan("mlp400", train_rows=400_000, test_rows=50_000, systems=_SYSTEMS_MLP400),
+            ModelPlan("mlp400", train_rows=400_000, test_rows=20_000, systems=_SYSTEMS_B1024, batch_size=1024,
+                      name="mlp400_b1024", curve_eval_rows=5_000),
+            ModelPlan("mlp400", train_rows=30 * 256, test_rows=20_000, systems=_SYSTEMS_SHORT, name="mlp400_30steps",
+                      curve_eval_rows=5_000),
             ModelPlan("ffnn", train_rows=20_000, test_rows=10_000, systems=_SYSTEMS_FFNN, curve_eval_rows=5_000),
         ),
         batch_size=256,
@@ -116,6 +168,7 @@ PROFILES: dict[str, Profile] = {
         # our NN worker gets both cores' worth of torch threads (OMP passive waiting keeps them from
         # starving the other roles): FFNN 1,355 vs 845 samples/s with the launcher's 1 thread
         persia_nn_threads=2,
+        latency=LatencyPlan(train_rows=60_000, test_rows=20_000),
     ),
     # A few thousand rows through every stage (generator, each system, report); checks plumbing only.
     "smoke": Profile(
@@ -140,6 +193,8 @@ PROFILES: dict[str, Profile] = {
         curve_eval_rows=1_000,
         run_timeout_s=300.0,
         adult_income=False,
+        # one delayed run: the proxies, --nats-url and grpc_proxy plumbing (figures need more runs)
+        latency=LatencyPlan(train_rows=2_000, test_rows=1_000, delays_ms=(2.0,), systems=(SystemPlan("persia-sync"),), baseline=None),
     ),
 }
 
@@ -152,45 +207,70 @@ def _nn_threads(s: SystemPlan, profile: Profile) -> int | None:
     return s.nn_threads or profile.persia_nn_threads
 
 
-def plan_runs(profile: Profile, data_dir: str, systems: set[str] | None = None) -> list[RunSpec]:
+def _spec(s: SystemPlan, profile: Profile, data_dir: str, mlp: str, seed: int, train_rows: int, test_rows: int,
+          batch_size: int | None = None, curve_eval_rows: int | None = None) -> RunSpec:
+    return RunSpec(
+        system=s.system,
+        data_dir=data_dir,
+        mlp=mlp,
+        batch_size=batch_size or profile.batch_size,
+        seed=seed,
+        threads=s.threads or profile.baseline_threads,
+        train_rows=train_rows,
+        test_rows=test_rows,
+        eval_points=profile.eval_points,
+        curve_eval_rows=min(curve_eval_rows or profile.curve_eval_rows, test_rows),
+        num_ps=s.num_ps,
+        num_embedding_workers=s.num_embedding_workers,
+        staleness=(s.staleness or profile.hybrid_staleness) if s.system == "persia-hybrid" else None,
+        nn_threads=_nn_threads(s, profile),
+        fused=s.fused,
+        timeout_s=profile.run_timeout_s,
+    )
+
+
+def plan(profile: Profile, data_dir: str, systems: set[str] | None = None, parts: frozenset[str] = frozenset({"models", "latency"})) -> list[Planned]:
     """Every run, in execution order: per model, round r runs each system once with seed r, so
-    the repeats of different systems interleave (drift in machine load hits all of them alike)."""
-    specs: list[RunSpec] = []
-    for model in profile.models:
+    the repeats of different systems interleave (drift in machine load hits all of them alike);
+    then the latency runs, round r running torch once and every delay x system."""
+    out: list[Planned] = []
+    for model in profile.models if "models" in parts else ():
         chosen = [s for s in model.systems if systems is None or s.system in systems]
         rounds = max((s.repeats or profile.repeats for s in chosen), default=0)
         for r in range(rounds):
             for s in chosen:
-                if r >= (s.repeats or profile.repeats):
-                    continue
-                specs.append(
-                    RunSpec(
-                        system=s.system,
-                        data_dir=data_dir,
-                        mlp=model.mlp,
-                        batch_size=profile.batch_size,
-                        seed=r,
-                        threads=s.threads or profile.baseline_threads,
-                        train_rows=model.train_rows,
-                        test_rows=model.test_rows,
-                        eval_points=profile.eval_points,
-                        curve_eval_rows=min(model.curve_eval_rows or profile.curve_eval_rows, model.test_rows),
-                        num_ps=s.num_ps,
-                        num_embedding_workers=s.num_embedding_workers,
-                        staleness=(s.staleness or profile.hybrid_staleness) if s.system == "persia-hybrid" else None,
-                        nn_threads=_nn_threads(s, profile),
-                        timeout_s=profile.run_timeout_s,
-                    )
-                )
-    return specs
+                if r < (s.repeats or profile.repeats):
+                    spec = _spec(s, profile, data_dir, model.mlp, r, model.train_rows, model.test_rows,
+                                 model.batch_size, model.curve_eval_rows)
+                    out.append(Planned(model.key, spec))
+    lat = profile.latency if "latency" in parts else None
+    if lat is not None:
+        rows = (lat.train_rows, lat.test_rows)
+        chosen = [s for s in lat.systems if systems is None or s.system in systems]
+        with_base = lat.baseline is not None and (systems is None or lat.baseline.system in systems)
+        for r in range(lat.repeats or profile.repeats):
+            if with_base:
+                out.append(Planned(latency_group(None), _spec(lat.baseline, profile, data_dir, lat.mlp, r, *rows)))
+            for d in lat.delays_ms:
+                for s in chosen:
+                    out.append(Planned(latency_group(d), _spec(s, profile, data_dir, lat.mlp, r, *rows), delay_ms=d))
+    return out
 
 
-def command_for(spec: RunSpec, launcher: str | None) -> tuple[list[str], dict[str, str]]:
+def plan_runs(profile: Profile, data_dir: str, systems: set[str] | None = None) -> list[RunSpec]:
+    return [p.spec for p in plan(profile, data_dir, systems)]
+
+
+def command_for(spec: RunSpec, launcher: str | None, delay_ms: float | None = None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of one run; ``delay_ms``: our system behind the delaying proxies."""
     if spec.system in BASELINE_MODULES:
-        return [sys.executable, "-m", BASELINE_MODULES[spec.system], "--spec", spec.model_dump_json()], child_env()
+        return [sys.executable, "-m", BASELINE_MODULES[spec.system], "--spec", spec.model_dump_json()], child_env(shared_cores=False)
     if launcher is None:
         raise ValueError(f"system={spec.system!r} needs persia-launcher, which is not available")
-    return synthetic_command(spec, launcher)
+    argv, env = synthetic_command(spec, launcher)
+    if delay_ms is not None:
+        argv = [sys.executable, "-m", "bench.latency_run", "--delay-ms", f"{delay_ms:g}", "--", *argv]
+    return argv, env
 
 
 def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Path) -> dict[str, Any]:
@@ -258,7 +338,10 @@ def run_profile(
     data_dir: Path | None = None,
     systems: set[str] | None = None,
     log=print,
+    only_latency: bool = False,
 ) -> dict[str, Any]:
+    """Run the profile (or, with ``only_latency``, its latency part, merged into the runs.json
+    already in ``results_dir``), write runs.json and the report."""
     t0 = time.perf_counter()
     results_dir.mkdir(parents=True, exist_ok=True)
     data_dir = data_dir or results_dir / "data" / profile.name
@@ -269,7 +352,9 @@ def run_profile(
     )
     persia_reason = None
     launcher = None
-    wants_persia = any(s.system.startswith("persia") for m in profile.models for s in m.systems)
+    parts = frozenset({"latency"} if only_latency else {"models", "latency"})
+    planned = plan(profile, str(data_dir), systems, parts)
+    wants_persia = any(p.spec.system.startswith("persia") for p in planned)
     if wants_persia and (systems is None or any(s.startswith("persia") for s in systems)):
         persia_reason = launcher_unavailable_reason()
         launcher = None if persia_reason else find_launcher()
@@ -279,23 +364,26 @@ def run_profile(
     runs: list[dict[str, Any]] = []
     skip_reason: dict[tuple[str, str], str] = {}
     logs_dir = results_dir / "logs"
-    for old in logs_dir.glob("*.log"):  # a previous run's logs would read as this run's
+    for old in logs_dir.glob("latency-*.log" if only_latency else "*.log"):  # a previous run's would read as this run's
         old.unlink()
-    for i, spec in enumerate(plan_runs(profile, str(data_dir), systems)):
-        key = (spec.system, spec.mlp)
-        base = {"spec": spec.model_dump(), "label": spec.label, "mlp": spec.mlp, "seed": spec.seed}
+    for i, p in enumerate(planned):
+        spec = p.spec
+        key = (spec.system, p.group)
+        base = {"spec": spec.model_dump(), "label": spec.label, "mlp": p.group, "seed": spec.seed, "delay_ms": p.delay_ms}
         if spec.system.startswith("persia") and persia_reason:
             skip_reason[key] = f"not yet measured: {persia_reason}"
         if key in skip_reason:
             runs.append({**base, "status": "skipped", "reason": skip_reason[key], "result": None, "memory": {}})
             continue
-        argv, env = command_for(spec, launcher)
-        rec = execute(argv, env, spec.timeout_s, logs_dir / f"{i:03d}-{spec.mlp}-{spec.label.replace(' ', '_').replace('=', '')}-s{spec.seed}.log")
+        argv, env = command_for(spec, launcher, p.delay_ms)
+        prefix = "latency-" if p.group.startswith("latency") else ""
+        name = f"{prefix}{i:03d}-{p.group}-{spec.label.replace(' ', '_').replace('=', '')}-s{spec.seed}.log"
+        rec = execute(argv, env, spec.timeout_s, logs_dir / name)
         rec = {**base, **rec}
         runs.append(rec)
         res = rec["result"] or {}
         log(
-            f"[{i + 1}] {spec.mlp:7s} {spec.label:32s} seed {spec.seed}: {rec['status']:7s} "
+            f"[{i + 1}/{len(planned)}] {p.group:14s} {spec.label:38s} seed {spec.seed}: {rec['status']:7s} "
             f"{_fmt(res.get('samples_per_sec'), '9.0f')} samples/s  AUC {_fmt(res.get('auc'))}  "
             f"wall {rec['wall_seconds']:.1f}s" + (f"  ({rec.get('reason')})" if rec["status"] != "ok" else "")
         )
@@ -303,7 +391,7 @@ def run_profile(
             skip_reason[key] = rec["reason"]
 
     adult: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
-    if profile.adult_income:
+    if profile.adult_income and not only_latency:
         if systems is not None and not any(s.startswith("persia") for s in systems):
             adult = {"status": "skipped", "reason": "not run: --systems leaves out our system"}
         elif launcher is None:
@@ -337,6 +425,8 @@ def run_profile(
         "adult_income": adult,
         "total_seconds": time.perf_counter() - t0,
     }
+    if only_latency:
+        doc = merge_latency(results_dir / "runs.json", doc)
     (results_dir / "runs.json").write_text(json.dumps(doc, indent=1, default=_jsonable) + "\n")
     from bench.report import write_report  # late: matplotlib only when reporting
 
@@ -350,6 +440,16 @@ def run_profile(
         verdict = {True: "PASS", False: "FAIL", None: "not yet measured"}[t["passed"]]
         log(f"  target {t['what']} {t['target']}: {_fmt(t['value'])} {verdict}")
     return doc
+
+
+def merge_latency(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (latency runs only) merged into the previous runs.json: its model runs, adult-income
+    result and profile kept, its latency runs replaced. Without a previous file, ``doc`` alone."""
+    if not previous.is_file():
+        return doc
+    old = json.loads(previous.read_text())
+    kept = [r for r in old.get("runs", []) if not str(r.get("mlp", "")).startswith("latency")]
+    return {**old, "runs": kept + doc["runs"], "latency_updated": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -368,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help="dataset directory (default: <results>/data/<profile>)")
     p.add_argument("--systems", help="comma list to run only these: torch,torchrec,persia-hybrid,persia-sync")
     p.add_argument("--repeats", type=int, help="override the profile's repeats")
+    p.add_argument("--only-latency", action="store_true",
+                   help="only the latency runs (make bench-latency), merged into the existing runs.json")
     a = p.parse_args(argv)
     install_interrupt_handler()
     if a.smoke:
@@ -382,14 +484,14 @@ def main(argv: list[str] | None = None) -> int:
     systems = None
     if a.systems:
         systems = {s.strip() for s in a.systems.split(",") if s.strip()}
-        unknown = systems - {"torch", "torchrec", "persia-hybrid", "persia-sync"}
+        unknown = systems - set(BASELINE_MODULES) - {"persia-hybrid", "persia-sync"}
         if unknown:
             p.error(f"unknown --systems {sorted(unknown)}")
     if a.output_root:
         results_dir, docs_dir = a.output_root / "results", a.output_root / "docs"
     else:
         results_dir, docs_dir = RESULTS_DIR, DOCS_DIR
-    run_profile(profile, results_dir, docs_dir, a.data_dir, systems)
+    run_profile(profile, results_dir, docs_dir, a.data_dir, systems, only_latency=a.only_latency)
     return 0
 
 

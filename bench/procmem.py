@@ -20,6 +20,8 @@ def classify_role(argv: list[str]) -> str:
     """Role of a process from its command line (pure; see tests/bench/test_procmem.py)."""
     words = [os.path.basename(a) for a in argv]
     joined = " ".join(words)
+    if "bench.latency_run" in words:
+        return "delay-proxy"  # the latency benchmark's proxies (not part of our system)
     if "persia-launcher" in joined and "local" in words:
         return "launcher"
     if any(w.startswith("nats-server") for w in words):

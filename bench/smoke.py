@@ -15,7 +15,11 @@ from pathlib import Path
 
 from bench.e2e_bench import PROFILES, install_interrupt_handler, run_profile
 
-REQUIRED_KEYS = ("ratio_mlp400", "ratio_ffnn", "auc_gap_hybrid_sync", "adult_auc", "baseline_sps_mlp400", "hybrid_sps_mlp400")
+REQUIRED_KEYS = (
+    "ratio_mlp400", "ratio_mlp400_b1024", "ratio_ffnn", "auc_gap_hybrid_sync", "auc_gap_30steps", "adult_auc",
+    "baseline_sps_mlp400", "hybrid_sps_mlp400",
+    "latency_hybrid_keep_2ms", "latency_hybrid_over_sync_2ms", "latency_auc_gap_2ms",
+)  # fmt: skip
 
 
 def run_smoke(root: Path, log=print) -> dict:
@@ -26,7 +30,7 @@ def run_smoke(root: Path, log=print) -> dict:
     missing = [k for k in REQUIRED_KEYS if k not in head]
     if missing:
         raise RuntimeError(f"e2e.json lacks keys {missing}")
-    for img in ("e2e_throughput.png", "e2e_auc_curve.png", "e2e_memory.png"):
+    for img in ("e2e_throughput.png", "e2e_auc_curve.png", "e2e_memory.png", "e2e_latency.png"):
         if not (root / "docs" / "img" / img).is_file():
             raise RuntimeError(f"report did not write docs/img/{img}")
     return head

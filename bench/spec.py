@@ -33,6 +33,9 @@ class RunSpec(BaseModel):
     dense_optimizer: Literal["adam", "sgd"] = "adam"
     dense_lr: float | None = None
     embedding_lr: float = 1e-2
+    # torch baseline only: torch's own optimizers (sparse torch.optim.Adagrad, Adam(fused=True))
+    # instead of the PS's formula (the AUC reference; torch's Adagrad lacks the PS's weight clip)
+    fused: bool = False
     # our system only
     staleness: int | None = Field(default=None, ge=1)
     nn_threads: int | None = Field(default=None, ge=1)  # torch threads per NN worker; None: the launcher's budget
@@ -54,4 +57,5 @@ class RunSpec(BaseModel):
         """Short name of the configuration (what the median groups by: everything but the seed)."""
         if self.system.startswith("persia"):
             return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers, self.nn_threads)
-        return f"{self.system} threads={self.threads}"
+        fused = " fused" if self.fused else ""
+        return f"{self.system}{fused} threads={self.threads}"

@@ -106,9 +106,12 @@ class TorchRecBaseline:
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=self._keys, values=values, lengths=lengths)
         return torch.from_numpy(batch.dense), kjt
 
-    def train_step(self, batch: Batch) -> float:
-        dense, kjt = self._inputs(batch)
-        loss = F.binary_cross_entropy(self.model(dense, kjt), torch.from_numpy(batch.label))
+    def prepare(self, batch: Batch):
+        return (*self._inputs(batch), torch.from_numpy(batch.label))
+
+    def train_step(self, inputs) -> float:
+        dense, kjt, label = inputs
+        loss = F.binary_cross_entropy(self.model(dense, kjt), label)
         self.dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # the embedding Adagrad step runs fused inside backward
         self.dense_opt.step()

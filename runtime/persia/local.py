@@ -49,6 +49,9 @@ def add_local_parser(sub) -> None:
     p.add_argument("--num-data-loaders", "--data-loaders", dest="num_data_loaders", type=int, default=1)
     p.add_argument("--job-name", default="local")
     p.add_argument("--nats-max-payload", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--nats-url", default=None,
+                   help="use this NATS server instead of starting one (a shared server, or a proxy in front of "
+                        "one); its credentials come from this process's PERSIA_NATS_* environment")
     p.add_argument("--cores", type=int, default=None, help="cores to budget threads for (default: all)")
     p.add_argument("--nn-threads", type=int, default=None, help="torch threads per NN worker (default: budgeted)")
     p.add_argument("--no-progress", action="store_true")
@@ -217,6 +220,8 @@ class LocalJob:
                              daemon=True).start()
 
     def watch_nats(self) -> None:
+        if self.nats is None:  # an external server (--nats-url): not ours to restart
+            return
         proc = self.nats.process
         threading.Thread(target=lambda: self.events.put(("nats", proc.wait())), daemon=True).start()
 
@@ -290,11 +295,17 @@ def run_local(args) -> int:
         print(f"persia-launcher local: {exc}", file=sys.stderr)
         return 2
     out = _Output()
-    nats = NatsServer(max_payload=args.nats_max_payload)
-    url = nats.start()
-    secret_env = job_env(nats.client_env(), url, dict(os.environ))
-    out.line("local", f"nats-server on {url} (authenticated; credentials passed to roles in env); "
-                      f"starting {len(roles)} role processes")
+    if args.nats_url:
+        nats, url = None, args.nats_url
+        credentials = {k: os.environ[k] for k in _FOREIGN_NATS_ENV if k in os.environ and k != "PERSIA_NATS_URL"}
+        secret_env = job_env(credentials, url, dict(os.environ))
+        out.line("local", f"external NATS on {url}; starting {len(roles)} role processes")
+    else:
+        nats = NatsServer(max_payload=args.nats_max_payload)
+        url = nats.start()
+        secret_env = job_env(nats.client_env(), url, dict(os.environ))
+        out.line("local", f"nats-server on {url} (authenticated; credentials passed to roles in env); "
+                          f"starting {len(roles)} role processes")
     job = LocalJob(roles, nats, out, secret_env, max_restarts=args.max_restarts, grace_s=args.grace_period)
     interrupts: list[int] = []
 
@@ -316,7 +327,8 @@ def run_local(args) -> int:
     finally:
         progress.stop()
         job.stop_roles(0.0 if interrupts else args.grace_period)
-        nats.stop()
+        if nats is not None:
+            nats.stop()
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
     elapsed = time.monotonic() - t0

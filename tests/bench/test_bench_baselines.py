@@ -85,13 +85,23 @@ def test_torch_baseline_learns_and_reports_every_field(small_dataset):
     assert result["teacher_auc"] == manifest.teacher.test_auc
 
 
+def test_fused_variant_uses_torchs_own_optimizers_and_learns(small_dataset):
+    out, _ = small_dataset
+    spec = RunSpec(system="torch", data_dir=str(out), batch_size=128, threads=1, eval_points=1, curve_eval_rows=500, fused=True)
+    assert spec.label == "torch fused threads=1"
+    trainer = TorchBaseline(spec)
+    assert type(trainer.sparse_opt) is torch.optim.Adagrad and trainer.dense_opt.defaults["fused"] is True
+    result = run_training(spec, lambda _spec: trainer)
+    assert 0.5 < result["auc"] <= 1.0 and result["train_cpu_seconds"] > 0
+
+
 def test_baseline_only_updates_rows_it_saw(small_dataset):
     out, _ = small_dataset
     spec = RunSpec(system="torch", data_dir=str(out), batch_size=64, threads=1)
     trainer = TorchBaseline(spec)
     before = trainer.model.embedding.weight.detach().clone()
     batch = next(iter(read_chunks(out, 64)))
-    trainer.train_step(batch)
+    trainer.train_step(trainer.prepare(batch))
     changed = (trainer.model.embedding.weight.detach() != before).any(dim=1).nonzero().flatten()
     seen = np.unique(trainer.index.rows(batch.ids))
     assert set(changed.tolist()) <= set(seen.tolist()) and len(changed) > 0

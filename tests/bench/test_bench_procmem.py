@@ -20,6 +20,7 @@ from bench.procmem import PeakMemorySampler, add_cpu, classify_role, cpu_seconds
         (["python", "/ex/train.py"], "nn-worker"),
         (["python", "/ex/data_loader.py"], "data-loader"),
         (["python", "-m", "bench.torch_baseline", "--spec", "{}"], "trainer"),
+        (["python", "-m", "bench.latency_run", "--delay-ms", "2", "--", "/v/bin/persia-launcher", "local"], "delay-proxy"),
         (["sleep", "1"], "other"),
     ],
 )

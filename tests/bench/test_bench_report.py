@@ -67,3 +67,29 @@ def test_write_report_produces_markdown_plots_and_headline(tmp_path):
     assert "not yet measured: x" in md and "## Embedding PS" in md
     for name in ("e2e_throughput.png", "e2e_auc_curve.png", "e2e_memory.png"):
         assert (tmp_path / "docs" / "img" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_latency_section_and_plot_and_merge_keep_the_model_runs(tmp_path):
+    from bench.e2e_bench import merge_latency
+
+    doc = _doc()
+    doc["profile"]["latency"] = {"train_rows": 8, "test_rows": 4}
+    lat = []
+    for delay, sps in ((0.0, 80.0), (2.0, 76.0)):
+        lat.append({"mlp": f"latency_{delay:g}ms", "label": HYBRID, "seed": 0, "status": "ok", "wall_seconds": 3.0,
+                    "delay_ms": delay, "spec": {"system": "persia-hybrid"},
+                    "memory": {"delay-proxy": {"max_mb": 30.0, "cpu_s": 1.5}},
+                    "result": {"samples_per_sec": sps, "auc": 0.79, "auc_curve": []}})  # fmt: skip
+    runs_file = tmp_path / "runs.json"
+    runs_file.write_text(json.dumps({**doc, "runs": doc["runs"] + [dict(lat[0], result=None, status="failed")]}))
+    merged = merge_latency(runs_file, {**doc, "runs": lat})
+    assert [r["mlp"] for r in merged["runs"]].count("mlp400") == len(doc["runs"])  # model runs kept
+    assert [r for r in merged["runs"] if r["mlp"].startswith("latency")] == lat  # old latency runs replaced
+    head = write_report(merged, docs_dir=tmp_path / "docs", results_dir=tmp_path / "results")
+    assert head["latency_hybrid_keep_2ms"] == 76.0 / 80.0
+    assert head["notes"]["latency_hybrid_over_sync_2ms"].startswith("not yet measured")
+    md = (tmp_path / "docs" / "benchmarks.md").read_text()
+    section = md[md.index("### Network latency"):]
+    assert f"| 2 | **{HYBRID}** | 76 | 0.950 |" in section and "| 1.5 |" in section
+    assert "latency_2ms" not in md[: md.index("### Network latency")]  # not among the models' tables
+    assert (tmp_path / "docs" / "img" / "e2e_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,7 +39,13 @@ def test_bench_smoke_writes_report_plots_and_headline(tmp_path):
         assert head["hybrid_sps_mlp400"] > 0 and head["auc_gap_hybrid_sync"] is not None
     else:
         assert head["hybrid_sps_mlp400"] is None and head["notes"]["hybrid_sps_mlp400"]
+    delayed = [r for r in runs if r["mlp"] == "latency_2ms"]  # our system behind the delaying proxies
+    assert len(delayed) == 1
+    if delayed[0]["status"] == "ok":
+        proxy = delayed[0]["result"]["proxy"]
+        assert proxy["delay_ms"] == 2.0 and proxy["connect"]["connections"] >= 2
+        assert "delay-proxy" in delayed[0]["memory"]
     md = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert "## Embedding PS" in md and "### Targets" in md and "img/e2e_auc_curve.png" in md
-    for name in ("e2e_throughput.png", "e2e_auc_curve.png", "e2e_memory.png"):
+    for name in ("e2e_throughput.png", "e2e_auc_curve.png", "e2e_memory.png", "e2e_latency.png"):
         assert (tmp_path / "docs" / "img" / name).stat().st_size > 1000

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.e2e_bench import LAUNCHER_BUDGET, PROFILES, ModelPlan, Profile, SystemPlan, plan_runs
-from bench.summary import HYBRID, SYNC, headline, hybrid_label, mean_curve, summarize, sync_label
+from bench.e2e_bench import LAUNCHER_BUDGET, PROFILES, LatencyPlan, ModelPlan, Profile, SystemPlan, plan, plan_runs
+from bench.summary import HYBRID, SYNC, headline, hybrid_label, latency_rows, mean_curve, summarize, sync_label
 from synthetic_ctr.manifest import GeneratorConfig
 
 
@@ -35,23 +35,79 @@ def test_runs_are_interleaved_with_seed_per_round():
 
 def test_full_profile_measures_every_configuration_the_issue_asks_for():
     full = PROFILES["full"]
-    specs = plan_runs(full, "d")
-    labels = {(s.mlp, s.label) for s in specs}
+    planned = plan(full, "d")
+    labels = {(p.group, p.spec.label) for p in planned}
     hybrid, sync = hybrid_label(full.hybrid_staleness, full.persia_nn_threads), sync_label(full.persia_nn_threads)
-    threads = f" nn-threads={full.persia_nn_threads}" if full.persia_nn_threads else ""
-    for needed in [("mlp400", "torch threads=2"), ("mlp400", "torchrec threads=2"), ("mlp400", hybrid), ("mlp400", sync),
-                   ("mlp400", hybrid_label(10, full.persia_nn_threads)),  # the issue's staleness 10, beside the headline
-                   ("mlp400", f"persia-hybrid st={full.hybrid_staleness} ps=2 ew=2{threads}"),
-                   ("mlp400", f"persia-sync ps=2 ew=2{threads}"),
-                   ("ffnn", "torch threads=2"), ("ffnn", hybrid)]:  # fmt: skip
+    st10 = hybrid_label(10, full.persia_nn_threads)
+    for needed in [("mlp400", "torch threads=2"), ("mlp400", "torch fused threads=2"), ("mlp400", "torchrec threads=2"),
+                   ("mlp400", hybrid), ("mlp400", sync), ("mlp400", st10),  # the issue's staleness 10, beside the headline
+                   ("mlp400_b1024", "torch fused threads=2"), ("mlp400_b1024", hybrid),
+                   ("mlp400_30steps", hybrid), ("mlp400_30steps", sync),
+                   ("ffnn", "torch threads=2"), ("ffnn", hybrid),
+                   ("latency_torch", "torch fused threads=2")]:  # fmt: skip
         assert needed in labels
-    for label in (hybrid, sync, hybrid_label(10, full.persia_nn_threads)):
-        seeds = {s.seed for s in specs if s.label == label and s.mlp == "mlp400"}
-        assert seeds == {0, 1, 2}  # the AUC gap is averaged over 3 seeds
-    # every run of one model uses the same batch size and data; our system's runs say their bound
-    assert {s.batch_size for s in specs} == {full.batch_size}
-    assert {s.staleness for s in specs if s.system == "persia-hybrid"} == {full.hybrid_staleness, 10}
-    assert all(s.staleness is None and s.nn_threads is None for s in specs if not s.system.startswith("persia"))
+    for group in ("mlp400", "mlp400_30steps"):
+        for label in (hybrid, sync):
+            seeds = {p.spec.seed for p in planned if p.spec.label == label and p.group == group}
+            assert seeds == {0, 1, 2}  # the AUC gap is averaged over 3 seeds
+    assert {p.spec.batch_size for p in planned if p.group == "mlp400_b1024"} == {1024}
+    assert {p.spec.batch_size for p in planned if p.group != "mlp400_b1024"} == {full.batch_size}
+    assert {p.spec.train_rows for p in planned if p.group == "mlp400_30steps"} == {30 * full.batch_size}
+    assert {p.spec.staleness for p in planned if p.spec.system == "persia-hybrid"} == {full.hybrid_staleness, 10}
+    assert all(p.spec.staleness is None and p.spec.nn_threads is None for p in planned if not p.spec.system.startswith("persia"))
+    # latency: 3 delays x (sync, headline hybrid, staleness 10) x 3 seeds behind the proxies, torch once per seed
+    delayed = [p for p in planned if p.delay_ms is not None]
+    assert sorted({p.delay_ms for p in delayed}) == [0.0, 0.5, 2.0]
+    assert {p.spec.label for p in delayed} == {sync, hybrid, st10} and len(delayed) == 27
+    assert all(p.group == f"latency_{p.delay_ms:g}ms" for p in delayed)
+    assert [p.spec.seed for p in planned if p.group == "latency_torch"] == [0, 1, 2]
+
+
+def test_latency_runs_interleave_seeds_and_go_through_the_proxy():
+    from bench.e2e_bench import command_for
+
+    prof = Profile(name="t", data=GeneratorConfig(train_rows=10, test_rows=10), models=(), repeats=2,
+                   latency=LatencyPlan(train_rows=8, test_rows=4, delays_ms=(0.0, 2.0), systems=(SystemPlan("persia-sync"),)))
+    order = [(p.group, p.spec.system, p.spec.seed, p.delay_ms) for p in plan(prof, "d")]
+    assert order == [
+        ("latency_torch", "torch", 0, None), ("latency_0ms", "persia-sync", 0, 0.0), ("latency_2ms", "persia-sync", 0, 2.0),
+        ("latency_torch", "torch", 1, None), ("latency_0ms", "persia-sync", 1, 0.0), ("latency_2ms", "persia-sync", 1, 2.0),
+    ]  # fmt: skip
+    spec = plan(prof, "d")[2].spec
+    argv, _ = command_for(spec, "persia-launcher", delay_ms=2.0)
+    assert argv[1:6] == ["-m", "bench.latency_run", "--delay-ms", "2", "--"] and argv[6] == "persia-launcher"
+    assert command_for(spec, "persia-launcher")[0][0] == "persia-launcher"
+    torch_env = command_for(plan(prof, "d")[0].spec, None)[1]
+    assert "OMP_WAIT_POLICY" not in torch_env  # a lone torch process keeps torch's default threading
+    assert command_for(spec, "persia-launcher")[1]["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_latency_figures_compare_each_configuration_with_its_own_zero_delay():
+    H, S = hybrid_label(2), sync_label()
+    runs = []
+    for seed in range(2):
+        runs += [_run("latency_torch", "torch fused threads=2", seed, 100.0, 0.80),
+                 _run("latency_0ms", H, seed, 80.0, 0.7990 + seed / 1000), _run("latency_0ms", S, seed, 60.0, 0.7995),
+                 _run("latency_2ms", H, seed, 72.0, 0.7985 + seed / 1000), _run("latency_2ms", S, seed, 30.0, 0.7990)]  # fmt: skip
+    summary = summarize(runs)
+    h = headline(summary, None, hybrid=H)
+    assert abs(h["latency_hybrid_keep_2ms"] - 0.9) < 1e-12 and abs(h["latency_hybrid_over_sync_2ms"] - 2.4) < 1e-12
+    assert abs(h["latency_auc_gap_2ms"] - (-0.0005 + 0.0005) / 2) < 1e-12
+    assert h["targets"]["latency_hybrid_keep_2ms"]["passed"] and h["targets"]["latency_hybrid_over_sync_2ms"]["passed"]
+    rows = {(r["delay_ms"], r["label"]): r for r in latency_rows(summary, H, S)}
+    assert rows[2.0, S]["keep"] == 0.5 and rows[2.0, S]["over_sync"] is None
+    assert rows[2.0, "torch fused threads=2"]["keep"] == 1.0  # no network: the same runs at every delay
+    assert rows[0.0, H]["over_sync"] == 80.0 / 60.0 and rows[0.0, H]["headline"]
+
+
+def test_fused_baseline_counts_for_speed_and_the_ps_formula_for_auc():
+    runs = [_run("mlp400", "torch threads=2", 0, 100.0, 0.800), _run("mlp400", "torch fused threads=2", 0, 120.0, 0.790),
+            _run("mlp400", SYNC, 0, 60.0, 0.801), _run("mlp400", HYBRID, 0, 90.0, 0.8)]  # fmt: skip
+    runs[1]["spec"]["fused"] = True
+    h = headline(summarize(runs), None)
+    assert h["baseline_mlp400"] == "torch fused threads=2" and h["ratio_mlp400"] == 0.75
+    assert h["baseline_auc_mlp400"] == 0.800 and abs(h["auc_gap_baseline_sync"] + 0.001) < 1e-12
+    assert h["ratio_mlp400_b1024"] is None and h["notes"]["ratio_mlp400_b1024"].startswith("not yet measured")
 
 
 def test_system_plans_resolve_staleness_and_threads_from_the_profile():
@@ -98,7 +154,7 @@ def test_summary_takes_median_throughput_and_paired_auc_gaps():
         _run("mlp400", "torch threads=2", 0, 100.0, 0.80), _run("mlp400", HYBRID, 0, 70.0, 0.79), _run("mlp400", SYNC, 0, 40.0, 0.7905),
         _run("mlp400", "torch threads=2", 1, 300.0, 0.81), _run("mlp400", HYBRID, 1, 50.0, 0.80), _run("mlp400", SYNC, 1, 45.0, 0.7990),
         _run("mlp400", "torch threads=2", 2, 120.0, 0.82), _run("mlp400", HYBRID, 2, 90.0, 0.81), _run("mlp400", SYNC, 2, 30.0, 0.8115),
-        _run("ffnn", "torch threads=2", 0, 10.0, 0.7), _run("ffnn", HYBRID, 0, 9.5, 0.69),
+        _run("ffnn", "torch threads=2", 0, 10.0, 0.7), _run("ffnn", HYBRID, 0, 9.75, 0.69),
     ]  # fmt: skip
     summary = summarize(runs)
     torch400 = next(s for s in summary if s["mlp"] == "mlp400" and s["label"] == "torch threads=2")
@@ -106,7 +162,7 @@ def test_summary_takes_median_throughput_and_paired_auc_gaps():
     h = headline(summary, None)
     assert h["baseline_sps_mlp400"] == 120.0 and h["hybrid_sps_mlp400"] == 70.0
     assert abs(h["ratio_mlp400"] - 70.0 / 120.0) < 1e-12
-    assert abs(h["ratio_ffnn"] - 0.95) < 1e-12
+    assert abs(h["ratio_ffnn"] - 0.975) < 1e-12
     assert abs(h["auc_gap_hybrid_sync"] - (-0.0005 + 0.001 - 0.0015) / 3) < 1e-12
     assert h["targets"]["ratio_mlp400"]["passed"] is False
     assert h["targets"]["ratio_ffnn"]["passed"] is True

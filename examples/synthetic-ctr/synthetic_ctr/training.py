@@ -19,13 +19,15 @@ EMBEDDING_WEIGHT_BOUND = 10.0  # PERSIA's EmbeddingConfig default
 
 
 def make_dense_optimizer(
-    params, name: DenseOptimizer = DEFAULT_DENSE_OPTIMIZER, lr: float | None = None
+    params, name: DenseOptimizer = DEFAULT_DENSE_OPTIMIZER, lr: float | None = None, fused: bool = False
 ) -> torch.optim.Optimizer:
+    """``fused``: torch's fused kernel (same formula, one pass over all parameters)."""
     lr = DEFAULT_DENSE_LR[name] if lr is None else lr
+    extra = {"fused": True} if fused else {}
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
+        return torch.optim.Adam(params, lr=lr, **extra)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, **extra)
     raise ValueError(f"dense_optimizer must be 'adam' or 'sgd', got dense_optimizer={name!r}")
 
 
