@@ -28,12 +28,13 @@ MIN_GRPC_CONNECTIONS = 2  # NN worker -> embedding worker, embedding worker -> P
 MIN_NATS_CONNECTIONS = 4  # PS, embedding worker, NN worker, data loader
 
 
-def launcher_env(base: dict[str, str], connect_port: int) -> dict[str, str]:
-    """The launcher's (and so every role's) environment: gRPC through the CONNECT proxy, and no
-    other proxy setting that could take precedence or exempt loopback."""
-    env = {k: v for k, v in base.items() if k not in PROXY_ENV_DROP}
+def launcher_env(base: dict[str, str], connect_port: int, nats_credentials: dict[str, str]) -> dict[str, str]:
+    """The launcher's (and so every role's) environment: gRPC through the CONNECT proxy, no other
+    proxy setting that could take precedence or exempt loopback, and our nats-server's credentials
+    instead of any the caller's environment has."""
+    env = {k: v for k, v in base.items() if k not in PROXY_ENV_DROP and not k.startswith("PERSIA_NATS_")}
     env["grpc_proxy"] = f"http://127.0.0.1:{connect_port}"
-    return env
+    return {**env, **nats_credentials}
 
 
 def unproxied(stats: dict, nats_upstream: str, min_grpc: int = MIN_GRPC_CONNECTIONS, min_nats: int = MIN_NATS_CONNECTIONS) -> list[str]:
@@ -64,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     from persia.nats_server import NatsServer
 
     nats = NatsServer()
-    upstream = nats.start().removeprefix("nats://")
+    upstream = nats.start().split("://", 1)[-1].rsplit("@", 1)[-1]
     proxies = None
     try:
         proxies = ProxySet.start(a.delay_ms / 1e3, forward=[upstream], connect=True)
         nats_url = f"nats://127.0.0.1:{proxies.forward[upstream].port}"
-        proc = subprocess.Popen(command + ["--nats-url", nats_url], env=launcher_env(dict(os.environ), proxies.connect.port),
+        proc = subprocess.Popen(command + ["--nats-url", nats_url], env=launcher_env(dict(os.environ), proxies.connect.port, nats.client_env()),
                                 stdout=subprocess.PIPE, text=True)
         lines = []
         for line in proc.stdout:

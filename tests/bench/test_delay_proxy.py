@@ -201,8 +201,10 @@ def test_connect_request_parsing():
 
 
 def test_latency_run_routes_grpc_through_the_proxy_and_fails_runs_that_bypass_it():
-    env = launcher_env({"PATH": "/bin", "no_proxy": "127.0.0.1", "HTTPS_PROXY": "http://corp:3128"}, 4321)
-    assert env == {"PATH": "/bin", "grpc_proxy": "http://127.0.0.1:4321"}  # nothing may exempt loopback
+    env = launcher_env({"PATH": "/bin", "no_proxy": "127.0.0.1", "HTTPS_PROXY": "http://corp:3128", "PERSIA_NATS_TOKEN": "t"},
+                       4321, {"PERSIA_NATS_USER": "u", "PERSIA_NATS_PASSWORD": "p"})
+    # nothing may exempt loopback; our server's credentials replace the caller's
+    assert env == {"PATH": "/bin", "grpc_proxy": "http://127.0.0.1:4321", "PERSIA_NATS_USER": "u", "PERSIA_NATS_PASSWORD": "p"}
     ok = {"connect": {"connections": 2}, "forward": {"127.0.0.1:4222": {"connections": 5}}}
     assert unproxied(ok, "127.0.0.1:4222") == []
     bad = {"connect": {"connections": 1}, "forward": {"127.0.0.1:4222": {"connections": 0}}}
