@@ -137,7 +137,8 @@ class EmbeddingParameterServer:
 
     def _checkpoint_path(self, path: str) -> Path:
         """Paths sent over NATS must lie under the checkpoint root (persia.security)."""
-        return check_under_root(path, checkpoint_root())
+        configured = getattr(self.global_config.common_config.checkpointing_config, "checkpoint_dir", None)
+        return check_under_root(path, checkpoint_root(config_dir=configured))
 
     def dump(self, req: dict) -> dict:
         directory = self._checkpoint_path(req["dir"])
