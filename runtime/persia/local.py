@@ -299,7 +299,9 @@ def run_local(args) -> int:
         nats, url = None, args.nats_url
         credentials = {k: os.environ[k] for k in _FOREIGN_NATS_ENV if k in os.environ and k != "PERSIA_NATS_URL"}
         secret_env = job_env(credentials, url, dict(os.environ))
-        out.line("local", f"external NATS on {url}; starting {len(roles)} role processes")
+        from persia.security import redact_url
+
+        out.line("local", f"external NATS on {redact_url(url)}; starting {len(roles)} role processes")
     else:
         nats = NatsServer(max_payload=args.nats_max_payload)
         url = nats.start()

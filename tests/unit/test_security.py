@@ -117,3 +117,50 @@ def test_schemas_name_the_field():
     ok = {"loader": 0, "loader_size": 1, "sent": 3, "failed": None}
     assert M.validate(M.EndOfStream, ok) is ok
     assert M.validate(M.NoPayload, None) is None
+
+
+def test_every_nats_handler_in_the_runtime_has_a_schema():
+    """A new ``bus.serve``/``subscribe_events`` must name its message model (persia.messages)."""
+    import ast
+    from pathlib import Path
+
+    import persia
+
+    missing = []
+    for path in Path(persia.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("serve", "subscribe_events")
+                    and not (isinstance(node.func.value, ast.Name) and node.func.value.id == "rpc")
+                    and path.name != "bus.py"
+                    and not any(k.arg == "schema" for k in node.keywords)):
+                missing.append(f"{path.name}:{node.lineno}")
+    assert not missing, f"NATS handlers without schema=: {missing}"
+
+
+def test_metrics_port_per_process():
+    from persia.metrics import metrics_port
+
+    assert metrics_port({}) is None
+    assert metrics_port({"PERSIA_METRICS_PORT": "9090"}) == 9090
+    assert metrics_port({"PERSIA_METRICS_PORT": "9090", "PERSIA_METRICS_PORT_OFFSET": "3", "LOCAL_RANK": "1"}) == 9094
+    assert metrics_port({"PERSIA_METRICS_PORT": "0", "PERSIA_METRICS_PORT_OFFSET": "3"}) == 0
+
+
+def test_local_plan_gives_every_process_its_own_metrics_offset_and_loopback(tmp_path):
+    from types import SimpleNamespace
+
+    from persia.local import plan
+
+    for f in ("nn.py", "dl.py", "emb.yml"):
+        (tmp_path / f).write_text("")
+    args = SimpleNamespace(num_ps=2, num_embedding_workers=2, nproc_per_node=2, num_data_loaders=2,
+                           nn_worker=str(tmp_path / "nn.py"), data_loader=str(tmp_path / "dl.py"),
+                           embedding_config=str(tmp_path / "emb.yml"), global_config=None, cores=2,
+                           nn_threads=None, job_name="j", env=[])
+    procs = plan(args, base_env={"PERSIA_NATS_PASSWORD": "leak", "PERSIA_NATS_URL": "nats://x:1"})
+    offsets = [int(p.env["PERSIA_METRICS_PORT_OFFSET"]) for p in procs]
+    assert offsets == [0, 1, 2, 3, 4, 6, 7]  # ps, ps, ew, ew, nn (2 ranks), dl, dl
+    assert all(p.env["PERSIA_BIND_ADDRESS"] == "127.0.0.1" for p in procs)
+    assert all("PERSIA_NATS_PASSWORD" not in p.env and "PERSIA_NATS_URL" not in p.env for p in procs)
+    assert not any("leak" in " ".join(p.argv) for p in procs)
