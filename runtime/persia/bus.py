@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import ssl
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -121,8 +122,9 @@ class NatsBus:
         refused: asyncio.Future = self._loop.create_future()
 
         async def on_error(exc: Exception) -> None:
-            if not outage.connected and "authorization" in str(exc).lower() and not refused.done():
-                refused.set_result(exc)  # wrong or missing credentials: fail now, do not retry forever
+            permanent = "authorization" in str(exc).lower() or isinstance(exc, ssl.SSLError)
+            if not outage.connected and permanent and not refused.done():
+                refused.set_result(exc)  # wrong credentials or certificates: fail now, do not retry forever
             await outage.on_error(exc)
 
         connect = asyncio.ensure_future(nats.connect(
@@ -140,8 +142,9 @@ class NatsBus:
         await asyncio.wait([connect, refused], return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():
             connect.cancel()
-            raise ConnectionError(f"NATS at {redact_url(self.url)} refused this client's credentials "
-                                  f"({refused.result()}); see PERSIA_NATS_* in docs/security.md")
+            raise ConnectionError(f"NATS at {redact_url(self.url)} refused this client's credentials or TLS "
+                                  f"({type(refused.result()).__name__}: {refused.result()}); "
+                                  "see PERSIA_NATS_* in docs/security.md")
         try:
             nc = connect.result()
         except Exception as exc:

@@ -39,7 +39,7 @@ class NatsServer:
     """A nats-server subprocess; ``url`` is known once :meth:`start` returns."""
 
     def __init__(self, max_payload: int = MAX_PAYLOAD_LIMIT, host: str = "127.0.0.1", log_file=None,
-                 auth: bool = True, port: int = -1):
+                 auth: bool = True, port: int = -1, extra_config: str = ""):
         if not 0 < max_payload <= MAX_PAYLOAD_LIMIT:
             raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD_LIMIT} bytes, got {max_payload}")
         self.max_payload = max_payload
@@ -51,12 +51,14 @@ class NatsServer:
         self._dir = tempfile.mkdtemp(prefix="persia-nats-")  # mode 0700
         self._proc: subprocess.Popen | None = None
         self._log_file = log_file
+        self.extra_config = extra_config  # e.g. tls { ... } or nkey users (tests)
 
     def start(self, deadline_s: float = 20.0) -> str:
         conf = Path(self._dir) / "nats.conf"
         text = f"max_payload: {self.max_payload}\n"
         if self.user:
             text += f'authorization {{\n  user: "{self.user}"\n  password: "{self.password}"\n}}\n'
+        text += self.extra_config
         if not conf.exists():  # a restart reuses the config (and so the credentials) it wrote first
             fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
