@@ -16,6 +16,7 @@ import secrets
 import ssl
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -218,7 +219,7 @@ class SignatureChecker:
     def __init__(self, secret: bytes, max_skew_s: float = MAX_SKEW_S):
         self.secret = secret
         self.max_skew_s = max_skew_s
-        self._seen: dict[str, float] = {}
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> time seen, oldest first
         self._lock = threading.Lock()
 
     def check(self, subj: str, payload: bytes, header: str | None, now: float | None = None) -> None:
@@ -238,8 +239,8 @@ class SignatureChecker:
         if abs(now - sent) > self.max_skew_s:
             raise Unauthorized(f"{subj}: signature is {now - sent:.0f}s old (allowed: {self.max_skew_s:.0f}s)")
         with self._lock:
-            for n in [n for n, t in self._seen.items() if t < now - self.max_skew_s]:
-                del self._seen[n]
+            while self._seen and next(iter(self._seen.values())) < now - self.max_skew_s:
+                self._seen.popitem(last=False)  # O(1) per message: entries arrive in time order
             if nonce in self._seen:
                 raise Unauthorized(f"{subj}: replayed control message")
             self._seen[nonce] = now
