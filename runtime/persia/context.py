@@ -10,6 +10,7 @@ import traceback
 import torch
 
 from persia import env
+from persia.errors import PersiaValidationError
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ def _role_name() -> str:
     return f"data-loader-{env.get_replica_index()}"
 
 
-
 class BaseCtx:
     def __init__(self, threadpool_worker_size: int = 10, device_id: int | None = None):
         if not logging.getLogger().handlers:  # a user script that set up no logging: PERSIA's default
@@ -36,11 +36,15 @@ class BaseCtx:
 
             setup_logging(_role_name())
         self.threadpool_worker_size = threadpool_worker_size
+        if device_id is not None and device_id < 0:  # PERSIA: a negative device id means CPU
+            device_id = None
         if device_id is not None:
             if not torch.cuda.is_available():
-                raise ValueError(f"device_id={device_id} but CUDA is not available; pass device_id=None for CPU")
+                raise PersiaValidationError(
+                    f"device_id={device_id} but CUDA is not available; pass device_id=None (or -1) for CPU")
             if not 0 <= device_id < torch.cuda.device_count():
-                raise ValueError(f"device_id={device_id} out of range: {torch.cuda.device_count()} GPUs visible")
+                raise PersiaValidationError(
+                    f"device_id={device_id} out of range: {torch.cuda.device_count()} GPUs visible")
             torch.cuda.set_device(device_id)
         self.device_id = device_id
         self.device = torch.device(f"cuda:{device_id}") if device_id is not None else torch.device("cpu")

@@ -2,9 +2,10 @@
 
 from persia.nn_worker.distributed import (
     DEFAULT_MASTER_PORT,
+    BaguaDistributedOption,
     DDPOption,
     DistributedBaseOption,
     get_default_distributed_option,
 )
 
-__all__ = ["DEFAULT_MASTER_PORT", "DDPOption", "DistributedBaseOption", "get_default_distributed_option"]
+__all__ = ["DEFAULT_MASTER_PORT", "BaguaDistributedOption", "DDPOption", "DistributedBaseOption", "get_default_distributed_option"]

@@ -33,17 +33,24 @@ def get_local_rank() -> int | None:
     return _int_env("LOCAL_RANK", None)
 
 
-def get_replica_index() -> int:
+def get_replica_index() -> int | None:
+    """``REPLICA_INDEX``; PERSIA's answer when it is unset: ``None`` in a process that has a
+    ``RANK`` (an NN worker, whose index is its rank), else 0."""
     value = _int_env("REPLICA_INDEX", None)
     if value is None:
+        if get_rank() is not None:
+            return None
         log.debug("REPLICA_INDEX not set, using 0")
         return 0
     return value
 
 
-def get_replica_size() -> int:
+def get_replica_size() -> int | None:
+    """``REPLICA_SIZE``; when unset: ``None`` with a ``RANK`` (as in PERSIA), else 1."""
     value = _int_env("REPLICA_SIZE", None)
     if value is None:
+        if get_rank() is not None:
+            return None
         log.debug("REPLICA_SIZE not set, using 1")
         return 1
     return value
@@ -56,9 +63,39 @@ def check_replica(index: int, size: int, role: str) -> None:
         raise ValueError(f"{role}: replica index {index} out of range for replica size {size}")
 
 
+# PERSIA's keyword names for set_env and the variables every getter here reads.
+ENV_NAMES = {
+    "rank": "RANK",
+    "world_size": "WORLD_SIZE",
+    "local_rank": "LOCAL_RANK",
+    "replica_index": "REPLICA_INDEX",
+    "replica_size": "REPLICA_SIZE",
+}
+
+
 def set_env(**kwargs: object) -> None:
-    for k, v in kwargs.items():
-        os.environ[k] = str(v)
+    """PERSIA's ``set_env(rank=0, world_size=2, ...)``: sets the upper-case variables the getters
+    read (``None`` unsets one). Unknown names and non-integers are refused before anything is set."""
+    updates: dict[str, str | None] = {}
+    for key, value in kwargs.items():
+        name = ENV_NAMES.get(key.lower())
+        if name is None:
+            raise ValueError(f"set_env: unknown name {key!r}; expected one of {', '.join(ENV_NAMES)}")
+        if value is None:
+            updates[name] = None
+            continue
+        try:
+            number = int(str(value))
+        except ValueError:
+            raise ValueError(f"set_env: {key} must be an integer, got {value!r}") from None
+        if number < 0:
+            raise ValueError(f"set_env: {key} must be >= 0, got {number}")
+        updates[name] = str(number)
+    for name, value in updates.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def reload_env() -> None:

@@ -25,3 +25,16 @@ class DiscoveryTimeout(PersiaError):
 
 class DataLoaderFailed(PersiaError):
     """A data loader ended its stream with an error, so the epoch is incomplete."""
+
+
+class PersiaValidationError(ValueError, AssertionError):
+    """Bad input, named with its value. Also an ``AssertionError``: PERSIA checked these with
+    ``assert``, and its users' ``except AssertionError`` must keep catching them."""
+
+
+class UnsupportedError(PersiaError, NotImplementedError):
+    """A PERSIA feature this runtime does not provide; the message names what to use instead."""
+
+
+class ContextRequired(PersiaError, AssertionError):
+    """Used outside the context it needs (PERSIA asserted ``cnt_ctx()``)."""

@@ -1,4 +1,6 @@
-"""Logging with the role and replica in every line, level from ``LOG_LEVEL`` (PERSIA's variable)."""
+"""Logging with the role and replica in every line, level from ``LOG_LEVEL`` (PERSIA's variable),
+plus PERSIA's logger helpers (``setLogger``, ``get_default_logger``, ``levelFilter``) for users'
+scripts."""
 
 from __future__ import annotations
 
@@ -7,6 +9,9 @@ import os
 import sys
 
 _FORMAT = "%(asctime)s %(levelname)s [{role}] %(name)s: %(message)s"
+FILE_LOG_FORMAT = "%(asctime)s %(levelname)-8s [%(filename)s:%(lineno)d] %(message)s"
+DEFAULT_LOGGER_NAME = "log"
+_default_logger: logging.Logger | None = None
 
 
 def setup_logging(role: str, level: str | None = None) -> None:
@@ -20,7 +25,62 @@ def setup_logging(role: str, level: str | None = None) -> None:
         logging.getLogger(noisy).setLevel(max(root.level, logging.WARNING))
 
 
-def get_default_logger(name: str | None = None) -> logging.Logger:
+class levelFilter(logging.Filter):  # noqa: N801 - PERSIA's name
+    """Keeps records strictly above ``level`` (PERSIA's error-redirect filter)."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > self.level
+
+
+def setLogger(  # noqa: N802 - PERSIA's name
+    name: str,
+    log_level: int = logging.DEBUG,
+    log_filename: str = "train.log",
+    enable_file_logger: bool = False,
+    err_redirect_filepath: str = "error.log",
+    enable_err_redirect: bool = False,
+    err_redirect_level: int = logging.INFO,
+) -> logging.Logger:
+    """PERSIA's ``setLogger``: a named logger with optional file and error-redirect handlers.
+
+    Unlike PERSIA it adds no console handler of its own (records reach the role's stderr handler
+    through the root logger, with the role in every line) and it does not stack handlers when
+    called twice for one name."""
+    logger = logging.getLogger(name)
+    logger.setLevel(log_level)
+    wanted = []
+    if enable_file_logger:
+        wanted.append((os.path.abspath(log_filename), None))
+    if enable_err_redirect:
+        wanted.append((os.path.abspath(err_redirect_filepath), err_redirect_level))
+    have = {getattr(h, "baseFilename", None) for h in logger.handlers}
+    for path, min_level in wanted:
+        if path in have:
+            continue
+        handler = logging.FileHandler(path, mode="a")
+        handler.setFormatter(logging.Formatter(FILE_LOG_FORMAT))
+        if min_level is not None:
+            handler.addFilter(levelFilter(min_level))
+        logger.addHandler(handler)
+    return logger
+
+
+def set_default_logger(name: str | None = None, **kwargs) -> logging.Logger:
+    global _default_logger
+    if _default_logger is None:
+        _default_logger = setLogger(name or DEFAULT_LOGGER_NAME, **kwargs)
+    return _default_logger
+
+
+def get_default_logger(name: str | None = None, **kwargs) -> logging.Logger:
+    """PERSIA's ``get_default_logger(name=None, **setLogger_kwargs)``: the named logger; the
+    keyword arguments configure it as ``setLogger`` does."""
+    if kwargs:
+        return setLogger(name or DEFAULT_LOGGER_NAME, **kwargs)
     return logging.getLogger(name or "persia")
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import logging
 import socket
+import subprocess
 import sys
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -24,20 +26,54 @@ def setup_seed(seed: int) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def find_free_port(host: str = "127.0.0.1") -> int:
+log = logging.getLogger(__name__)
+
+
+def _port_is_free(host: str, port: int) -> bool:
     with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
-def load_yaml(path: str) -> Any:
-    with open(path) as f:
+def find_free_port(port: int | None = None, interval: int = 1, *, host: str = "127.0.0.1") -> int:
+    """A port nothing listens on. PERSIA's ``find_free_port(port=10000, interval=1)`` scans
+    ``port, port + interval, ...``; without ``port`` the OS picks one (no scan, no race between
+    tests that all start at 10000)."""
+    if isinstance(port, str):  # the old find_free_port(host) call
+        port, host = None, port
+    if port is None:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    if not 0 < int(port) <= 65535 or int(interval) < 1:
+        raise ValueError(f"find_free_port: port must be in 1..65535 and interval >= 1, got port={port} interval={interval}")
+    for candidate in range(int(port), 65536, int(interval)):
+        if _port_is_free(host, candidate):
+            return candidate
+    raise RuntimeError(f"find_free_port: no free port on {host} from {port} in steps of {interval}")
+
+
+def load_yaml(filepath: str) -> Any:
+    """PERSIA's ``load_yaml(filepath)``; a missing file is a FileNotFoundError naming it."""
+    if not os.path.exists(filepath):
+        raise FileNotFoundError(f"filepath {filepath} not found")
+    with open(filepath) as f:
         return yaml.safe_load(f)
 
 
-def dump_yaml(content: Any, path: str) -> None:
-    with open(path, "w") as f:
+def dump_yaml(content: Any, filepath: str) -> None:
+    with open(filepath, "w") as f:
         yaml.safe_dump(content, f)
+
+
+def run_command(cmd: Sequence[Any], env: Mapping[str, str] | None = None) -> None:
+    """PERSIA's ``run_command``: run ``cmd`` (no shell), raise ``CalledProcessError`` if it fails."""
+    cmd = [str(c) for c in cmd]
+    log.info("execute command: %s", cmd)
+    subprocess.check_call(cmd, env=None if env is None else dict(env))
 
 
 def advertise_host() -> str:

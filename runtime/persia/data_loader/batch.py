@@ -19,12 +19,14 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from persia.errors import PersiaValidationError
 from persia.wire import codec
 
 __all__ = [
     "MAX_BATCH_SIZE",
     "SUPPORTED_NDARRAY_DTYPES",
     "PersiaDataError",
+    "PersiaMissingLabelError",
     "PersiaDataTypeError",
     "IDTypeFeature",
     "IDTypeFeatureSparse",
@@ -62,8 +64,14 @@ _GET_DTYPE = operator.attrgetter("dtype")
 _GET_SIZE = operator.attrgetter("size")
 
 
-class PersiaDataError(ValueError):
-    """A feature, label or batch that PERSIA cannot train on; the message says which and why."""
+class PersiaDataError(PersiaValidationError):
+    """A feature, label or batch that PERSIA cannot train on; the message says which and why.
+
+    A ``ValueError``, and an ``AssertionError`` as PERSIA's ``assert`` checks were."""
+
+
+class PersiaMissingLabelError(PersiaDataError, RuntimeError):
+    """``requires_grad=True`` without labels (a ``RuntimeError`` in PERSIA)."""
 
 
 class PersiaDataTypeError(PersiaDataError, TypeError):
@@ -459,7 +467,8 @@ class PersiaBatch:
 
     Checked on construction: at least one ID feature; one batch size across every part (and equal
     to ``batch_size`` if given), within ``1..MAX_BATCH_SIZE``; labels present when
-    ``requires_grad``; ``meta`` is bytes; names unique among ID features, among non-ID features,
+    ``requires_grad``; ``meta`` is bytes (a ``str`` is stored UTF-8 encoded: PERSIA warned and
+    dropped it, yet its tutorials pass ``json.dumps(...)``); names unique among ID features, among non-ID features,
     and among labels. ``batch_id`` stays ``None`` until a ``DataCtx`` assigns it.
     """
 
@@ -523,7 +532,7 @@ class PersiaBatch:
         _check_unique_names("label", label_parts, Label.DEFAULT_NAME)
 
         if requires_grad and not label_parts:
-            raise PersiaDataError(
+            raise PersiaMissingLabelError(
                 "PersiaBatch: requires_grad=True (the default) needs at least one Label, but labels is "
                 "empty; pass labels=[Label(...)] for training, or requires_grad=False for inference"
             )
@@ -531,9 +540,10 @@ class PersiaBatch:
         if meta is not None:
             if isinstance(meta, (bytearray, memoryview)):
                 meta = bytes(meta)
+            elif isinstance(meta, str):  # PERSIA's tutorials pass json.dumps(...); PERSIA dropped it
+                meta = meta.encode("utf-8")
             elif not isinstance(meta, bytes):
-                hint = "; encode text first, e.g. meta=json.dumps(info).encode()" if isinstance(meta, str) else ""
-                raise PersiaDataTypeError(f"PersiaBatch: meta must be bytes, got {_type_name(meta)}{hint}")
+                raise PersiaDataTypeError(f"PersiaBatch: meta must be bytes or str, got {_type_name(meta)}")
 
         self.id_type_features: List[_IDFeature] = id_parts
         self.non_id_type_features: List[NdarrayDataBase] = non_id_parts

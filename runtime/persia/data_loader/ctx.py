@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 
 from persia import env
 from persia.bus import NatsBus, shared_bus, subject
@@ -24,8 +25,10 @@ class DataCtx(BaseCtx):
 
     def __init__(self, *args, discovery_deadline_s: float = 600.0, send_deadline_s: float = 600.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.replica_index = env.get_replica_index()
-        self.replica_size = env.get_replica_size()
+        # PERSIA's BaseCtx: a process with a RANK (and no REPLICA_*) is indexed by its rank.
+        index, size = env.get_replica_index(), env.get_replica_size()
+        self.replica_index = env.get_rank() if index is None else index
+        self.replica_size = (env.get_world_size() or 1) if size is None else size
         env.check_replica(self.replica_index, self.replica_size, "data loader")
         self.send_deadline_s = send_deadline_s
         self.bus: NatsBus = shared_bus()
@@ -36,6 +39,9 @@ class DataCtx(BaseCtx):
                                     what="waiting for NN workers")
         self.world_size = int(nn["world_size"])
         self._counter = 0
+        # Batch ids restart at 0 in every DataCtx (a second epoch, a restarted loader): the session
+        # keeps the worker from taking a new batch for a retry of an old one with the same id.
+        self._session = secrets.token_hex(8)
         self._sent_per_rank = [0] * self.world_size
         self._closed = False
         log.info("data loader %d/%d: %d embedding workers, NN world size %d",
@@ -55,6 +61,7 @@ class DataCtx(BaseCtx):
             subject("ew", "forward", worker),
             {
                 "loader": self.replica_index,
+                "session": self._session,
                 "batch_id": batch_id,  # lets the worker recognise a retried send
                 "batch_size": persia_batch.batch_size,
                 "requires_grad": persia_batch.requires_grad,

@@ -132,16 +132,16 @@ class EmbeddingWorker:
         batch_size = int(req["batch_size"])
         pipeline.validate_features(req["features"], batch_size, self.slots)
         loader = int(req.get("loader", 0))
-        key = (loader, req.get("batch_id"))
+        key = (loader, req.get("session"), req.get("batch_id"))
         with self._recent_lock:
-            if key[1] is not None and key in self._recent:
+            if key[2] is not None and key in self._recent:
                 # a retry of a send whose reply was lost: same ref, not a second copy
                 return {"ref": self._recent[key], "worker": self.replica_index}
             ref = self.forward_buffer.put(loader, req)
             if ref is None:
                 self.metrics.inc("forward_busy")
                 return BUSY
-            if key[1] is not None:
+            if key[2] is not None:
                 self._recent[key] = ref
                 while len(self._recent) > _RECENT_KEYS:
                     self._recent.popitem(last=False)
@@ -174,7 +174,8 @@ class EmbeddingWorker:
         batch = self.forward_buffer.take(ref)
         prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit,
                                     checked=True)  # validated by on_forward when it arrived
-        train = bool(batch.get("requires_grad", True))
+        # an eval/infer NN context asks train=False: no rows created, no gradients awaited
+        train = bool(batch.get("requires_grad", True)) and bool(req.get("train", True))
         pooled, positions = self._lookup_prepared(prepared, train)
         if train:
             self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)

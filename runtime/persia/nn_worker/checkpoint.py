@@ -116,3 +116,22 @@ class EmbeddingCheckpoints:
             self._dense_module().load_state_dict(state)
         self.load_embedding(str(directory), blocking)
 
+    def dump_torch_state_dict(self, torch_instance, dst_dir: str, file_name: str, is_jit: bool = False) -> None:
+        """PERSIA's: ``dst_dir/file_name`` gets the module's (or optimizer's) state dict, or with
+        ``is_jit`` the module as TorchScript. Written under a temporary name, then renamed."""
+        directory = self._local_dir(dst_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / file_name
+        tmp = directory / f".{file_name}.tmp"
+        if is_jit:
+            scripted = torch_instance if isinstance(torch_instance, torch.jit.ScriptModule) else torch.jit.script(torch_instance)
+            torch.jit.save(scripted, str(tmp))
+        else:
+            torch.save(torch_instance.state_dict(), tmp)
+        os.replace(tmp, path)
+
+    def load_torch_state_dict(self, torch_instance, src_dir: str, map_location: str | None = None) -> None:
+        """PERSIA's: ``src_dir`` is the file ``dump_torch_state_dict`` wrote (tensors only: no
+        pickled code is loaded)."""
+        state = torch.load(self._local_dir(src_dir), map_location=map_location or self.device, weights_only=True)
+        torch_instance.load_state_dict(state)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from persia.errors import UnsupportedError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MASTER_PORT = 23456
@@ -91,3 +93,15 @@ class DDPOption(DistributedBaseOption):
 
 def get_default_distributed_option(device_id: int | None = None) -> DDPOption:
     return DDPOption(backend="nccl" if device_id is not None else "gloo")
+
+
+class BaguaDistributedOption(DistributedBaseOption):
+    """PERSIA's Bagua option. Bagua is not part of this runtime, so constructing one fails with
+    the options that are supported rather than training without the algorithm asked for."""
+
+    def __init__(self, algorithm: str, **options: Any):
+        raise UnsupportedError(
+            f"BaguaDistributedOption(algorithm={algorithm!r}): Bagua is not available in this runtime; "
+            "use DDPOption(backend='nccl') on GPUs or DDPOption(backend='gloo') on CPU "
+            "(or get_default_distributed_option(device_id), which picks one)"
+        )

@@ -23,6 +23,7 @@ from persia.errors import PersiaError
 from persia.nn_worker.checkpoint import EmbeddingCheckpoints
 from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
 from persia.nn_worker.training_batch import PersiaTrainingBatch
+from persia.messages import NoPayload
 from persia.rpc import Client
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         self._load_thread: threading.Thread | None = None
         self._load_error: BaseException | None = None
         self._permits: threading.BoundedSemaphore | None = None
+        self._nn_info_sub = None
 
     # -- discovery --------------------------------------------------------------------------------
     def _enter(self) -> None:
@@ -85,6 +87,25 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             self.bus = shared_bus()
         if self.model is not None:
             self.model.to(self.device)
+
+    def _exit(self, exc: BaseException | None) -> None:
+        if self._nn_info_sub is not None:
+            self.bus.unsubscribe(self._nn_info_sub)
+            self._nn_info_sub = None
+
+    def _start_streaming(self) -> None:
+        """Answer the data loaders' NN-worker discovery (``nn.info``). Every context that consumes
+        a StreamingDataset must (eval_ctx and InferCtx too), or no data loader ever connects."""
+        if self.bus is None:
+            self.bus = shared_bus()
+        if self._nn_info_sub is None:
+            self._nn_info_sub = self.bus.serve(subject("nn", "info"), lambda _o: {"world_size": self.world_size},
+                                               queue="nn", blocking=False, schema=NoPayload)
+            self.bus.flush()
+
+    def _stream_clients(self) -> list[Client]:
+        """Embedding-worker clients indexed as data loaders index them (by replica index)."""
+        return self._worker_clients()
 
     def _worker_clients(self) -> list[Client]:
         if self._workers is None:
@@ -119,7 +140,8 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _lookup_message(self, msg: dict, holds_permit: bool) -> PersiaTrainingBatch:
         worker = int(msg["worker"])
         try:
-            resp = self._worker_clients()[worker].call("Lookup", {"ref": int(msg["ref"])})
+            # train=False: an eval/infer context never creates rows, whatever the batch asked for
+            resp = self._stream_clients()[worker].call("Lookup", {"ref": int(msg["ref"]), "train": self.is_training})
         except BaseException:
             if holds_permit and self._permits is not None:
                 self._permits.release()
@@ -165,7 +187,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             by_worker.setdefault(int(m["worker"]), []).append(int(m["ref"]))
         for w, refs in by_worker.items():
             try:
-                self._worker_clients()[w].call("Release", {"refs": refs})
+                self._stream_clients()[w].call("Release", {"refs": refs})
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not release %d batches on embedding worker %d: %s", len(refs), w, exc)
 
@@ -185,12 +207,13 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _tensor(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(arr, copy=True)).to(self.device, non_blocking=True)
 
-    def prepare_features(self, batch: PersiaTrainingBatch):
+    def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
         """``(non_id_type_feature_tensors, id_type_feature_embedding_tensors, label_tensors)``.
 
         Summed slots give float32 ``(bs, dim)``; raw slots give ``(bs, sample_fixed_size, dim+1)``
         whose last channel is the mask, as in PERSIA.
         """
+        batch = persia_training_batch
         non_id = [self._tensor(x) for x in batch.non_id_type_features]
         labels = [self._tensor(x) for x in batch.labels] if batch.labels else None
         requires_grad = batch.requires_grad and self.is_training
@@ -235,6 +258,18 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def clear_embeddings(self) -> None:
         self._ps_all("clear", None, timeout=60)
 
+    # -- PERSIA's server controls -----------------------------------------------------------------
+    def configure_embedding_parameter_servers(self, embedding_config: EmbeddingConfig | None = None) -> None:
+        """Push embedding hyperparameters (default: this context's) to every PS; TrainCtx does it
+        on entry."""
+        configure_embedding_parameter_servers(self, embedding_config or self.embedding_config)
+
+    def wait_servers_ready(self) -> None:
+        """Block until the embedding workers and every PS replica answer (or the discovery
+        deadline passes, with an error naming who is missing)."""
+        self._worker_clients()
+        self._ps_all("stats", None, timeout=self.discovery_deadline_s)
+
 
 def eval_ctx(*args, **kwargs) -> EmbeddingCtx:
     """Evaluation: lookups never create rows; nothing is trained."""
@@ -242,6 +277,7 @@ def eval_ctx(*args, **kwargs) -> EmbeddingCtx:
 
 
 def configure_embedding_parameter_servers(ctx: EmbeddingCtx, config: EmbeddingConfig) -> None:
+    """Push ``config`` to every PS (what ``EmbeddingCtx.configure_embedding_parameter_servers`` does)."""
     lower, upper = config.emb_initialization
     ctx._ps_all("configure", {"init_lower": float(lower), "init_upper": float(upper),
                               "admit_probability": float(config.admit_probability),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
+from persia.embedding_worker.service import discover
 from persia.nn_worker.embedding_ctx import EmbeddingCtx, PreprocessMode
 from persia.rpc import Client
 
@@ -17,6 +18,7 @@ class InferCtx(EmbeddingCtx):
         if not embedding_worker_address_list:
             raise ValueError("InferCtx needs at least one embedding worker address")
         self._workers = [Client(a, WORKER_SERVICE) for a in embedding_worker_address_list]
+        self._streamed_from: list[Client] | None = None
 
     def _enter(self) -> None:
         if self.model is not None:
@@ -33,3 +35,15 @@ class InferCtx(EmbeddingCtx):
                     if time.monotonic() > end:
                         raise
                     time.sleep(0.2)
+
+    def wait_servers_ready(self) -> None:
+        """InferCtx has no PS to wait for: its embedding workers answering is ready."""
+        self.wait_for_serving()
+
+    def _stream_clients(self) -> list[Client]:
+        """Streamed batches name the embedding worker that holds them by its replica index, so
+        they are looked up on the workers found over NATS, not on the given address list."""
+        if self._streamed_from is None:
+            entries = discover(self.bus, "ew", self.discovery_deadline_s)
+            self._streamed_from = [Client(e["address"], WORKER_SERVICE) for e in entries]
+        return self._streamed_from

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 from persia.context import cnt_ctx
-from persia.errors import PersiaError
+from persia.errors import ContextRequired
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
 from persia.nn_worker.reorder import _reordered
@@ -65,8 +65,9 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[PersiaTrainingBatch]:
         ctx = cnt_ctx()
-        if ctx is None:
-            raise PersiaError("iterate a persia DataLoader inside a TrainCtx / eval_ctx / InferCtx block")
+        if ctx is None or not hasattr(ctx, "_lookup_message"):
+            where = "outside any context" if ctx is None else f"inside a {type(ctx).__name__}"
+            raise ContextRequired(f"iterate a persia DataLoader inside a TrainCtx / eval_ctx / InferCtx block, not {where}")
         return _LoaderIterator(self, ctx)
 
     def __len__(self) -> int:
@@ -83,6 +84,8 @@ class _LoaderIterator:
         self._stop = threading.Event()
         self._done = False
         self.streaming = isinstance(loader.dataset, StreamingDataset)
+        if self.streaming:
+            ctx._start_streaming()
         train = bool(getattr(ctx, "is_training", False))
         self._permits = (
             threading.BoundedSemaphore(loader.embedding_staleness)

@@ -9,7 +9,24 @@ from persia.embedding_ps.optimizers import AdagradConfig, AdamConfig, OptimizerC
 
 
 class Optimizer:
+    """Its hyperparameters read and write as attributes, as in PERSIA (``SGD(lr=0.1).lr``);
+    setting one re-validates it and takes effect at the next ``apply()`` / ``TrainCtx`` entry."""
+
     config: OptimizerConfig
+
+    def __getattr__(self, name: str):
+        config = self.__dict__.get("config")
+        if config is not None and name in type(config).model_fields:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        config = self.__dict__.get("config")
+        if config is not None and name in type(config).model_fields:
+            value = tuple(value) if name == "betas" else value
+            object.__setattr__(self, "config", type(config)(**{**config.model_dump(), name: value}))
+        else:
+            object.__setattr__(self, name, value)
 
     def to_wire(self) -> dict:
         return optimizer_to_wire(self.config)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from persia.bus import subject
-from persia.errors import PersiaError
+from persia.errors import PersiaError, PersiaValidationError
 from persia.nn_worker.embedding_ctx import (
     EmbeddingCtx,
     PreprocessMode,
@@ -49,11 +49,11 @@ class TrainCtx(EmbeddingCtx):
     ):
         super().__init__(PreprocessMode.TRAIN, *args, **kwargs)
         if self.model is None:
-            raise ValueError("TrainCtx needs model=...")
+            raise PersiaValidationError("TrainCtx needs model=...")
         if embedding_optimizer is None or not hasattr(embedding_optimizer, "to_wire"):
             raise TypeError(f"embedding_optimizer must be a persia.embedding.optim optimizer, got {embedding_optimizer!r}")
         if grad_scalar_update_factor <= 1:
-            raise ValueError(f"grad_scalar_update_factor must be > 1, got {grad_scalar_update_factor}")
+            raise PersiaValidationError(f"grad_scalar_update_factor must be > 1, got {grad_scalar_update_factor}")
         self.embedding_optimizer = embedding_optimizer
         self.dense_optimizer = dense_optimizer
         self.grad_scalar_update_factor = grad_scalar_update_factor
@@ -77,8 +77,7 @@ class TrainCtx(EmbeddingCtx):
 
     def _enter(self) -> None:
         super()._enter()
-        self.bus.serve(subject("nn", "info"), lambda _o: {"world_size": self.world_size}, queue="nn",
-                       blocking=False, schema=NoPayload)
+        self._start_streaming()
         if self.world_size > 1:
             self._init_distributed()
         configure_embedding_parameter_servers(self, self.embedding_config)
@@ -93,7 +92,7 @@ class TrainCtx(EmbeddingCtx):
             if self.rank == 0:
                 master_addr = advertise_host()
                 if option.master_port == 23456 and os.environ.get("PERSIA_DDP_FREE_PORT", "1") == "1":
-                    option.master_port = find_free_port(bind_address())
+                    option.master_port = find_free_port(host=bind_address())
                 info = {"addr": master_addr, "port": option.master_port}
                 self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False, schema=NoPayload)
                 self.bus.flush()
@@ -237,6 +236,7 @@ class TrainCtx(EmbeddingCtx):
         finally:
             self._backward_pool.shutdown(wait=exc is None)
             self.bus.flush()
+            super()._exit(exc)
 
 
 
