@@ -74,6 +74,7 @@ class Forward(_Msg):
     """``ew.forward.<k>``: a batch's ID features."""
 
     loader: Index = 0
+    session: str | None = Field(default=None, max_length=64)  # one per DataCtx; scopes batch_id
     batch_id: Index | None = None
     batch_size: BatchSize
     requires_grad: bool = True
@@ -172,6 +173,7 @@ class PsUpdate(_Msg):
 
 class WorkerLookup(_Msg):
     ref: Index
+    train: bool = True  # False from eval/infer contexts: no rows created, no gradients awaited
 
 
 class WorkerLookupDirect(_Msg):
