@@ -120,16 +120,7 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     for inherited in _FOREIGN_NATS_ENV:  # the local NATS has credentials of its own (run_local)
         common.pop(inherited, None)
     launcher = [python, "-m", "persia.launcher"]
-    procs: list[RoleProcess] = []
-    for i in range(args.num_ps):
-        procs.append(RoleProcess(f"ps-{i}", "ps", launcher + [
-            "embedding-parameter-server", "--port", "0", "--replica-index", str(i), "--replica-size", str(args.num_ps)],
-            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(args.num_ps))))
-    for i in range(args.num_embedding_workers):
-        procs.append(RoleProcess(f"ew-{i}", "ew", launcher + [
-            "embedding-worker", "--port", "0", "--replica-index", str(i),
-            "--replica-size", str(args.num_embedding_workers)],
-            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(args.num_embedding_workers))))
+    procs = server_roles(launcher, common, args.num_ps, args.num_embedding_workers)
     procs.append(RoleProcess("nn", "nn", launcher + [
         "nn-worker", os.path.abspath(args.nn_worker), "--nproc-per-node", str(args.nproc_per_node),
         "--nnodes", "1", "--node-rank", "0"],
@@ -144,6 +135,20 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     for proc in procs:
         proc.env["PERSIA_METRICS_PORT_OFFSET"] = str(offset)
         offset += args.nproc_per_node if proc.kind == "nn" else 1
+    return procs
+
+
+def server_roles(launcher: list[str], common: dict[str, str], num_ps: int, num_ew: int) -> list[RoleProcess]:
+    """The PS replicas and embedding workers, on free ports (also used by ``persia.helper``)."""
+    procs: list[RoleProcess] = []
+    for i in range(num_ps):
+        procs.append(RoleProcess(f"ps-{i}", "ps", launcher + [
+            "embedding-parameter-server", "--port", "0", "--replica-index", str(i), "--replica-size", str(num_ps)],
+            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(num_ps))))
+    for i in range(num_ew):
+        procs.append(RoleProcess(f"ew-{i}", "ew", launcher + [
+            "embedding-worker", "--port", "0", "--replica-index", str(i), "--replica-size", str(num_ew)],
+            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(num_ew))))
     return procs
 
 
