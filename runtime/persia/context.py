@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import traceback
 
 import torch
@@ -14,12 +15,23 @@ from persia.errors import PersiaValidationError
 
 log = logging.getLogger(__name__)
 
-_ctx_stack: list["BaseCtx"] = []
+# One stack per thread: a DataCtx sending from one thread and a TrainCtx training in another (one
+# process, as in tests and notebooks) must not see, or pop, each other's contexts.
+_stacks = threading.local()
+
+
+def ctx_stack() -> list["BaseCtx"]:
+    """This thread's active contexts, innermost last."""
+    stack = getattr(_stacks, "stack", None)
+    if stack is None:
+        stack = _stacks.stack = []
+    return stack
 
 
 def cnt_ctx() -> "BaseCtx | None":
     """The innermost active context (PERSIA's name)."""
-    return _ctx_stack[-1] if _ctx_stack else None
+    stack = ctx_stack()
+    return stack[-1] if stack else None
 
 
 def _role_name() -> str:
@@ -54,7 +66,7 @@ class BaseCtx:
 
     def __enter__(self):
         self._enter()
-        _ctx_stack.append(self)
+        ctx_stack().append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
@@ -64,8 +76,9 @@ class BaseCtx:
         try:
             self._exit(exc)
         finally:
-            if _ctx_stack and _ctx_stack[-1] is self:
-                _ctx_stack.pop()
+            stack = ctx_stack()
+            if stack and stack[-1] is self:
+                stack.pop()
         return False
 
     def _enter(self) -> None:

@@ -5,7 +5,7 @@ The data loader's ``DataCtx`` lives in ``persia.data_loader``; the NN worker's c
 ``persia.context``.
 """
 
-from persia.context import BaseCtx, _ctx_stack, _role_name, cnt_ctx  # noqa: F401 (private names kept)
+from persia.context import BaseCtx, _role_name, cnt_ctx, ctx_stack  # noqa: F401 (private names kept)
 from persia.data_loader.ctx import DataCtx
 from persia.data_loader.wire import _named_arrays, id_features_to_wire  # noqa: F401
 from persia.nn_worker.checkpoint import CHECKPOINT_FORMAT, EMBEDDING_DUMP_DONE

@@ -179,6 +179,37 @@ def test_device_id_minus_one_means_cpu():
             BaseCtx(device_id=0)
 
 
+def test_each_thread_has_its_own_context_stack():
+    """A DataCtx in a sender thread and a TrainCtx in the trainer's (one process) interleave their
+    enters and exits; neither may see or strand the other's context."""
+    import threading
+
+    from persia.ctx import cnt_ctx
+
+    inner_entered, main_entered, inner_exit = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        with BaseCtx() as mine:
+            inner_entered.set()
+            main_entered.wait(10)
+            seen["other"] = cnt_ctx() is mine
+            inner_exit.wait(10)
+        seen["other_after"] = cnt_ctx()
+
+    t = threading.Thread(target=other)
+    t.start()
+    inner_entered.wait(10)
+    with BaseCtx() as main_ctx:
+        main_entered.set()
+        assert cnt_ctx() is main_ctx
+        inner_exit.set()
+        t.join(10)  # the other thread's context exits while ours is still open
+        assert cnt_ctx() is main_ctx
+    assert cnt_ctx() is None
+    assert seen == {"other": True, "other_after": None}
+
+
 # -- contexts against real servers --------------------------------------------------------------------
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ import torch
 
 from persia import env
 from persia.bus import NatsBus, shared_bus, subject
-from persia.context import BaseCtx, _ctx_stack, cnt_ctx
+from persia.context import BaseCtx, cnt_ctx, ctx_stack
 from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.wire import id_features_to_wire
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
@@ -85,6 +85,10 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _enter(self) -> None:
         if self.bus is None:
             self.bus = shared_bus()
+        if self._workers is None:  # nested in a context that found the workers already: share them
+            parent = next((c for c in reversed(ctx_stack()) if isinstance(c, EmbeddingCtx) and c._workers), None)
+            if parent is not None:
+                self._workers = parent._workers
         if self.model is not None:
             self.model.to(self.device)
 
@@ -108,13 +112,9 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         return self._worker_clients()
 
     def _worker_clients(self) -> list[Client]:
-        if self._workers is None:
-            parent = next((c for c in reversed(_ctx_stack) if isinstance(c, EmbeddingCtx) and c._workers), None)
-            if parent is not None and parent is not self:
-                self._workers = parent._workers
-            else:
-                entries = discover(self.bus, "ew", self.discovery_deadline_s)
-                self._workers = [Client(e["address"], WORKER_SERVICE) for e in entries]
+        if self._workers is None:  # looked up from pool threads too: the parent was taken at _enter
+            entries = discover(self.bus, "ew", self.discovery_deadline_s)
+            self._workers = [Client(e["address"], WORKER_SERVICE) for e in entries]
         return self._workers
 
     def _ps_count(self) -> int:
