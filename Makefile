@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-faults test-fast bench bench-ps bench-smoke bench-latency crds chart lint images e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency crds chart lint images e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 	  --global-config examples/adult-income/config/global_config.yml \
 	  --num-ps 1 --num-embedding-workers 1 --nproc-per-node 1 --num-data-loaders 1 \
 	  --job-name adult-income
+
+## Train adult-income, serve the checkpoint (inference PS + embedding worker + model server), send
+## the whole test set over HTTP: prints `served AUC X (evaluation AUC Y)`.
+serve-demo: $(STAMP)
+	$(PY) examples/adult-income/serve_demo.py
 
 # e2e/tests runs in a pytest of its own: tests/e2e is a package named `e2e` too. Its fast
 # parts (harness units, kubectl against the stand-in cluster) run here; the scenarios skip.

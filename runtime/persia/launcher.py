@@ -52,8 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(ps, 8888)
 
     from persia.local import add_local_parser
+    from persia.serving.cli import add_serve_parser
 
     add_local_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -296,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         from persia.local import run_local
 
         return run_local(args)
+    if args.role == "serve":
+        from persia.serving.cli import run_serve
+
+        return run_serve(args)
     return handlers[args.role](args)
 
 

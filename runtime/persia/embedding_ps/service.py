@@ -4,6 +4,7 @@ NATS for discovery and control (configure, optimizer, dump, load, stats)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,12 @@ class EmbeddingParameterServer:
                 self._load_dir(Path(ic.embedding_checkpoint))  # from the config, not the network
             self._configured = True
             if pc.incremental_dir and pc.enable_incremental_update:
-                # PERSIA's inference PS scans the training PS's incremental dumps every 10 s.
+                # PERSIA's inference PS scans the training PS's incremental dumps every 10 s;
+                # PERSIA_INCREMENTAL_POLL_SECONDS changes that (docs/serving.md, "Refresh").
                 from persia.embedding_ps.incremental import IncrementalApplier
 
                 self.applier = IncrementalApplier(self.store, pc.incremental_dir, replica_index, replica_size)
-                self.applier.start(10.0)
+                self.applier.start(float(os.environ.get("PERSIA_INCREMENTAL_POLL_SECONDS", "10")))
         log.info("embedding PS %d/%d on %s (capacity %d rows)", replica_index, replica_size, self.address, pc.capacity)
         self.bus = bus
         if bus is not None:

@@ -1,0 +1,40 @@
+"""How a failed request is answered, the same on HTTP and gRPC (pure).
+
+A bad request is 400 / INVALID_ARGUMENT naming the field; a full queue, a missing model or an
+unreachable embedding worker is 503 / UNAVAILABLE; a request not answered within
+``request_timeout_s`` is 504 / DEADLINE_EXCEEDED; anything else is 500 / INTERNAL and logged.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from persia.errors import RemoteError
+from persia.serving.batcher import QueueFull
+from persia.serving.predictor import ModelNotLoaded
+from persia.serving.request import RequestError
+
+
+class ServeError(Exception):
+    """A request that failed, with its HTTP status and error kind (the metrics label)."""
+
+    def __init__(self, status: int, kind: str, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.field = status, kind, field
+
+
+def classify(exc: BaseException) -> ServeError:
+    """Pure: which answer an exception gets."""
+    if isinstance(exc, ServeError):
+        return exc
+    if isinstance(exc, RequestError):
+        return ServeError(400, "bad_request", str(exc), exc.field)
+    if isinstance(exc, QueueFull):
+        return ServeError(503, "overloaded", f"overloaded: {exc}")
+    if isinstance(exc, ModelNotLoaded):
+        return ServeError(503, "unavailable", f"no model loaded: {exc}")
+    if isinstance(exc, RemoteError):
+        return ServeError(503, "unavailable", f"embedding lookup failed: {exc}")
+    if isinstance(exc, (TimeoutError, FutureTimeout)):
+        return ServeError(504, "timeout", "no answer in time")
+    return ServeError(500, "internal", f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,75 @@
+"""``persia-launcher serve``: flags (with ``PERSIA_SERVE_*`` env fallbacks) to a ServeConfig, then
+run the model server until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+
+log = logging.getLogger("persia.serving")
+
+
+def _env(name: str, default=None):
+    return os.environ.get(name, default)
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="run a model server: jitted dense model + inference embedding workers")
+    p.add_argument("--model", default=_env("PERSIA_SERVE_MODEL"),
+                   help="jit_dense.pt, or a checkpoint directory (newest complete ckpt-*/jit_dense.pt); "
+                        "env PERSIA_SERVE_MODEL")
+    p.add_argument("--embedding-worker", action="append", default=None, dest="embedding_workers",
+                   help="host:port of an inference embedding worker (repeat, or comma-separate); "
+                        "env PERSIA_SERVE_EMBEDDING_WORKERS")
+    p.add_argument("--http-port", type=int, default=int(_env("PERSIA_SERVE_HTTP_PORT", 8080)))
+    p.add_argument("--grpc-port", type=int, default=int(_env("PERSIA_SERVE_GRPC_PORT", 8081)),
+                   help="-1 disables gRPC")
+    p.add_argument("--max-batch-size", type=int, default=int(_env("PERSIA_SERVE_MAX_BATCH_SIZE", 512)))
+    p.add_argument("--max-latency-ms", type=float, default=float(_env("PERSIA_SERVE_MAX_LATENCY_MS", 5.0)))
+    p.add_argument("--workers", type=int, default=int(_env("PERSIA_SERVE_WORKERS", 2)))
+    p.add_argument("--model-poll-seconds", type=float, default=float(_env("PERSIA_SERVE_MODEL_POLL_SECONDS", 5.0)))
+    return p
+
+
+def config_from_args(args, env=None):
+    """Pure: the parsed flags as a ServeConfig (pydantic errors name the field)."""
+    from persia.security import bind_address
+    from persia.serving.config import ServeConfig
+
+    env = os.environ if env is None else env
+    workers = args.embedding_workers or [env.get("PERSIA_SERVE_EMBEDDING_WORKERS", "")]
+    addresses = [a.strip() for item in workers for a in item.split(",") if a.strip()]
+    return ServeConfig(
+        embedding_workers=addresses, model=args.model or "", http_port=args.http_port,
+        grpc_port=None if args.grpc_port < 0 else args.grpc_port, host=bind_address(env),
+        max_batch_size=args.max_batch_size, max_latency_ms=args.max_latency_ms, workers=args.workers,
+        model_poll_seconds=args.model_poll_seconds,
+    )
+
+
+def run_serve(args) -> int:
+    from pydantic import ValidationError
+
+    from persia.logger import setup_logging
+    from persia.serving.server import ModelServer
+
+    setup_logging("model-server")
+    if not args.model:
+        raise SystemExit("persia-launcher serve: --model is required (or set PERSIA_SERVE_MODEL)")
+    try:
+        config = config_from_args(args)
+    except ValidationError as exc:
+        raise SystemExit(f"persia-launcher serve: {exc}") from None
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = ModelServer(config)
+    print(f"model server: HTTP {config.host}:{server.http_port} gRPC "
+          f"{server.grpc_port if server.grpc_port else 'off'}", flush=True)
+    stop.wait()
+    log.info("model server shutting down")
+    server.stop()
+    return 0

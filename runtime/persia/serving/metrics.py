@@ -1,0 +1,54 @@
+"""The model server's Prometheus metrics, in a registry of its own (served at ``/metrics`` on the
+HTTP port; several servers in one process, as in tests, do not collide).
+
+=========================================== ==========================================================
+``persia_serving_requests_total``           requests answered, by ``protocol`` (http, grpc) and ``code``
+``persia_serving_request_latency_seconds``  histogram: request received -> answer ready, by ``protocol``
+``persia_serving_batch_size``               histogram: samples per model call (after batching)
+``persia_serving_samples_total``            samples predicted
+``persia_serving_errors_total``             failed requests by ``kind`` (bad_request, overloaded,
+                                            unavailable, internal, timeout)
+``persia_serving_queue_depth``              requests waiting for a batch
+``persia_serving_model_loads_total``        model (re)loads by ``result`` (ok, failed)
+``persia_serving_model_loaded_timestamp_seconds`` when the served model was loaded
+``persia_serving_ready``                    1 when ready (model loaded, embedding workers answer)
+=========================================== ==========================================================
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+METRIC_NAMES = (
+    "persia_serving_requests_total",
+    "persia_serving_request_latency_seconds",
+    "persia_serving_batch_size",
+    "persia_serving_samples_total",
+    "persia_serving_errors_total",
+    "persia_serving_queue_depth",
+    "persia_serving_model_loads_total",
+    "persia_serving_model_loaded_timestamp_seconds",
+    "persia_serving_ready",
+)
+
+
+class ServingMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("persia_serving_requests", "requests answered", ["protocol", "code"], registry=r)
+        self.latency = Histogram("persia_serving_request_latency_seconds", "request latency", ["protocol"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("persia_serving_batch_size", "samples per model call",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.samples = Counter("persia_serving_samples", "samples predicted", registry=r)
+        self.errors = Counter("persia_serving_errors", "failed requests", ["kind"], registry=r)
+        self.queue_depth = Gauge("persia_serving_queue_depth", "requests waiting for a batch", registry=r)
+        self.model_loads = Counter("persia_serving_model_loads", "model loads", ["result"], registry=r)
+        self.model_loaded = Gauge("persia_serving_model_loaded_timestamp_seconds", "when the model was loaded",
+                                  registry=r)
+        self.ready = Gauge("persia_serving_ready", "1 when ready", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

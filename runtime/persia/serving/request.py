@@ -1,0 +1,158 @@
+"""Requests to the model server, pure functions: JSON bodies to ``PersiaBatch``, merging several
+requests into one model batch and splitting the output back.
+
+JSON body (``POST /v1/predict``, ``Content-Type: application/json``)::
+
+    {"id_type_features": {"<slot>": [<id> | [<id>, ...], ...]},      one entry per sample
+     "non_id_type_features": {"<name>": [[<float>, ...], ...]}}     in the order the model takes
+
+IDs are unsigned 64-bit integers, as JSON numbers or decimal strings (JavaScript clients lose
+precision above 2^53). The binary form (``application/x-persia-batch``) is
+``PersiaBatch.to_bytes()``: versioned, pickle-free (``persia.wire.codec``).
+Every error names the field and the value, and becomes a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from persia.data_loader.batch import (
+    IDTypeFeature,
+    IDTypeFeatureWithSingleID,
+    NonIDTypeFeature,
+    PersiaBatch,
+    PersiaDataError,
+)
+
+_U64_MAX = (1 << 64) - 1
+
+
+class RequestError(ValueError):
+    """A request the server will not run; ``field`` names what is wrong (answered 400)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _id(value: Any, field: str) -> int:
+    if isinstance(value, bool):
+        raise RequestError(field, f"an ID must be an unsigned 64-bit integer, got {_short(value)}")
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or not 0 <= value <= _U64_MAX:
+        raise RequestError(field, f"an ID must be an unsigned 64-bit integer, got {_short(value)}")
+    return value
+
+
+def _id_feature(name: str, samples: Any, field: str) -> IDTypeFeature | IDTypeFeatureWithSingleID:
+    if not isinstance(samples, list) or not samples:
+        raise RequestError(field, f"expected a non-empty list with one entry per sample, got {_short(samples)}")
+    if all(not isinstance(s, list) for s in samples):
+        ids = np.array([_id(s, f"{field}[{i}]") for i, s in enumerate(samples)], dtype=np.uint64)
+        return IDTypeFeatureWithSingleID(name, ids)
+    per_sample = []
+    for i, s in enumerate(samples):
+        ids = s if isinstance(s, list) else [s]
+        per_sample.append(np.array([_id(v, f"{field}[{i}][{j}]") for j, v in enumerate(ids)], dtype=np.uint64))
+    return IDTypeFeature(name, per_sample)
+
+
+def _dense(samples: Any, field: str) -> np.ndarray:
+    if not isinstance(samples, list) or not samples:
+        raise RequestError(field, f"expected a non-empty list with one row per sample, got {_short(samples)}")
+    for i, row in enumerate(samples):
+        items = row if isinstance(row, list) else [row]
+        for j, v in enumerate(items):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"{field}[{i}]" + (f"[{j}]" if isinstance(row, list) else ""),
+                                   f"expected a number, got {_short(v)}")
+    try:
+        arr = np.asarray(samples, dtype=np.float32)
+    except ValueError as exc:
+        raise RequestError(field, f"rows must all have the same length ({exc})") from None
+    if not np.isfinite(arr).all():
+        raise RequestError(field, "values must be finite")
+    return arr.reshape(-1, 1) if arr.ndim == 1 else arr
+
+
+def batch_from_json(body: Any) -> PersiaBatch:
+    """A JSON request body (already parsed) as a ``PersiaBatch``; RequestError names the field."""
+    if not isinstance(body, dict):
+        raise RequestError("body", f"expected a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - {"id_type_features", "non_id_type_features"})
+    if unknown:
+        raise RequestError(unknown[0], "unknown field (expected id_type_features, non_id_type_features)")
+    ids = body.get("id_type_features")
+    if not isinstance(ids, dict) or not ids:
+        raise RequestError("id_type_features", f"expected an object of slot name -> per-sample IDs, got {_short(ids)}")
+    dense = body.get("non_id_type_features", {})
+    if not isinstance(dense, dict):
+        raise RequestError("non_id_type_features", f"expected an object of name -> rows, got {_short(dense)}")
+    features = [_id_feature(name, s, f"id_type_features.{name}") for name, s in ids.items()]
+    non_id = [NonIDTypeFeature(_dense(rows, f"non_id_type_features.{name}"), name=name) for name, rows in dense.items()]
+    sizes = {f"id_type_features.{f.name}": f.batch_size for f in features}
+    sizes.update({f"non_id_type_features.{p.name}": p.data.shape[0] for p in non_id})
+    first = next(iter(sizes.values()))
+    for field, n in sizes.items():
+        if n != first:
+            raise RequestError(field, f"has {n} samples, but {next(iter(sizes))} has {first}")
+    try:
+        return PersiaBatch(features, non_id_type_features=non_id, requires_grad=False)
+    except PersiaDataError as exc:
+        raise RequestError("body", str(exc)) from None
+
+
+def batch_from_bytes(buf: bytes) -> PersiaBatch:
+    """``PersiaBatch.to_bytes()`` from a client; labels and gradients flags are ignored."""
+    try:
+        return PersiaBatch.from_bytes(buf)
+    except PersiaDataError as exc:
+        raise RequestError("body", str(exc)) from None
+
+
+def signature(batch: PersiaBatch) -> tuple:
+    """Requests merge into one model batch only when slots and dense columns agree."""
+    return (
+        tuple(f.name for f in batch.id_type_features),
+        tuple((p.name, p.data.dtype.str, p.data.shape[1:]) for p in batch.non_id_type_features),
+    )
+
+
+def merge(batches: Sequence[PersiaBatch]) -> PersiaBatch:
+    """One batch with every sample of ``batches`` in order (all of the same :func:`signature`)."""
+    if len(batches) == 1:
+        return batches[0]
+    features = []
+    for j, first in enumerate(batches[0].id_type_features):
+        parts = [b.id_type_features[j] for b in batches]
+        if all(isinstance(p, IDTypeFeatureWithSingleID) for p in parts):
+            features.append(IDTypeFeatureWithSingleID(first.name, np.concatenate([p.data for p in parts])))
+            continue
+        values, offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+        for p in parts:
+            v, o = p.to_csr()
+            values.append(v)
+            offsets.append(np.asarray(o[1:], dtype=np.int64) + base)
+            base += int(v.shape[0])
+        features.append(IDTypeFeature.from_csr(first.name, np.concatenate(values), np.concatenate(offsets)))
+    non_id = [
+        NonIDTypeFeature(np.concatenate([b.non_id_type_features[j].data for b in batches]), name=p.name)
+        for j, p in enumerate(batches[0].non_id_type_features)
+    ]
+    return PersiaBatch(features, non_id_type_features=non_id, requires_grad=False)
+
+
+def split(output: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """The model's output rows back to the requests they came from."""
+    if output.shape[0] != sum(sizes):
+        raise ValueError(f"model returned {output.shape[0]} rows for {sum(sizes)} samples")
+    bounds = np.cumsum([0, *sizes])
+    return [output[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
