@@ -32,7 +32,7 @@ from persia.embedding_ps.optimizers import (
     optimizer_code,
     state_width,
 )
-from persia.embedding_ps.rwlock import RWLock, read_all, write_all
+from persia.embedding_ps.rwlock import RWLock, read_all, write_all, write_some
 from persia.embedding_ps.table import DimTable
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,8 @@ class EmbeddingStore:
         mq = q[miss]
         mh = ix.sign_hash(mq) if h is None else h[miss]
         new_signs, first = np.unique(mq, return_index=True)
-        self._insert(dim, new_signs, mh[first], clock, admit=True)
+        if not self._insert_all_shards(dim, new_signs, mh[first], clock):
+            self._insert(dim, new_signs, mh[first], clock, admit=True)
         sub = np.empty((miss.shape[0], dim), dtype=np.float32)
         with read_all(self._locks, self._touched(mh)):
             table = self._tables.get(dim)
@@ -383,6 +384,37 @@ class EmbeddingStore:
         return missing, folded, promoted, updated
 
     # -- inserts, eviction, growth --------------------------------------------------------------
+    def _insert_all_shards(self, dim: int, signs: np.ndarray, h: np.ndarray, clock: int) -> bool:
+        """A lookup's new rows in one pass over every shard they fall in, when nothing needs a
+        per-shard decision: every sign is admitted, and each touched shard takes its rows without
+        evicting, growing or reusing a tombstoned slot. Most training lookups insert a few rows
+        spread over every shard, and the per-shard path's fixed cost (lock, locate, insert, ~0.1 ms
+        each) was half the PS's CPU on the synthetic benchmark. False: nothing was done."""
+        if self.num_shards == 1 or self._hp.admit_probability < 1.0:
+            return False
+        shard = ix.shard_ids(h, self.num_shards)
+        counts = np.bincount(shard, minlength=self.num_shards)
+        touched = np.flatnonzero(counts)
+        with write_some(self._locks, touched.tolist()):
+            table = self._tables.get(dim)
+            if table is None:
+                return False
+            _, hit, _, _ = table.locate(signs, h)
+            if hit.any():  # another request inserted some meanwhile
+                new = np.flatnonzero(~hit)
+                signs, h, shard = signs[new], h[new], shard[new]
+                counts = np.bincount(shard, minlength=self.num_shards)
+                touched = np.flatnonzero(counts)
+            for k in touched.tolist():
+                live = sum(int(t.live[k]) for t in self._tables.values())
+                m = int(counts[k])
+                if live + m > self.shard_capacity or table.room(k) < m or table.tombstones[k]:
+                    return False
+            if signs.shape[0]:
+                table.insert_across(shard, signs, h, clock, self._hp.init_lower, self._hp.init_upper)
+                self._count(inserted=int(signs.shape[0]))
+        return True
+
     def _insert(self, dim, signs, h, clock, *, admit: bool, weights=None, state=None, state_code=None) -> int:
         """Insert absent signs shard by shard; with ``weights``, also overwrite present rows
         (``upsert``). Returns the number of rows written."""

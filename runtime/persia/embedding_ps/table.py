@@ -240,6 +240,35 @@ class DimTable:
         self.live[shard] += m
         return g
 
+    def insert_across(self, shards: np.ndarray, signs, h, stamp: int, lower: float, upper: float) -> np.ndarray:
+        """:meth:`insert` of absent ``signs`` spread over several shards (``shards[i]`` is sign
+        i's), with initial values. The caller owns those shards, checked ``room`` and that they
+        have no tombstones (so the index insert reuses none). Returns the rows."""
+        m = signs.shape[0]
+        g = np.empty(m, dtype=np.int64)
+        order = np.argsort(shards, kind="stable")
+        ks, starts, counts = np.unique(shards[order], return_index=True, return_counts=True)
+        for k, a, c in zip(ks.tolist(), starts.tolist(), counts.tolist()):
+            free = self.free[k]
+            reuse = min(free.shape[0], c)
+            hw = int(self.high_water[k])
+            local = np.concatenate([free[free.shape[0] - reuse :], np.arange(hw, hw + c - reuse)])
+            self.free[k] = free[: free.shape[0] - reuse]
+            self.high_water[k] += c - reuse
+            self.live[k] += c
+            g[order[a : a + c]] = local + self.base(k)
+        block = np.zeros((m, self.width), dtype=np.float32)
+        block[:, : self.dim] = uniform_from_signs(signs, self.dim, lower, upper)
+        block[:, self.key_col : self.key_col + 2].view(np.uint64)[:, 0] = signs
+        self._rows_v[g] = _void(block)
+        if self.state_width:
+            self._state_v[g] = _void(np.full((m, self.state_width), self.state_init, dtype=np.float32))
+        self.stamps[g] = stamp
+        reused = ix.insert(self.index, h, g, self.num_shards, self.M)
+        if reused:
+            raise RuntimeError(f"insert_across reused {reused} tombstoned slots: the caller must rule them out")
+        return g
+
     def overwrite(self, rows: np.ndarray, weights: np.ndarray, state: np.ndarray | None) -> None:
         """Replace the weights (and state, when given) of existing rows."""
         self.rows[rows, : self.dim] = weights

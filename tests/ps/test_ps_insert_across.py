@@ -1,0 +1,50 @@
+"""Training lookups insert their new rows across shards in one pass when no shard needs a
+decision of its own; the result is the per-shard path's, row for row, and it steps aside for
+eviction and reused slots."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from persia.embedding_ps import EmbeddingStore, HyperParameters, SGDConfig
+
+
+def _pair(capacity, shards, monkeypatch):
+    fast, slow = EmbeddingStore(capacity, shards), EmbeddingStore(capacity, shards)
+    monkeypatch.setattr(slow, "_insert_all_shards", lambda *a, **k: False)  # always the per-shard path
+    taken = []
+    original = fast._insert_all_shards
+    monkeypatch.setattr(fast, "_insert_all_shards", lambda *a, **k: taken.append(original(*a, **k)) or taken[-1])
+    for s in (fast, slow):
+        s.configure(HyperParameters())
+        s.register_optimizer(SGDConfig(lr=0.5))
+    return fast, slow, taken
+
+
+def _steps(fast, slow, rng, batches, universe, dim=8):
+    for _ in range(batches):
+        signs = rng.choice(universe, size=300).astype(np.uint64)  # repeats and rows seen before
+        a, b = fast.lookup(signs, dim, train=True), slow.lookup(signs, dim, train=True)
+        np.testing.assert_array_equal(a, b)
+        uniq = np.unique(signs)
+        grads = rng.standard_normal((uniq.shape[0], dim)).astype(np.float32)
+        assert fast.update(uniq, grads) == slow.update(uniq, grads)
+    probe = np.unique(universe).astype(np.uint64)
+    np.testing.assert_array_equal(fast.lookup(probe, dim, train=False), slow.lookup(probe, dim, train=False))
+    assert len(fast) == len(slow)
+    assert fast.stats()["inserted"] == slow.stats()["inserted"]
+
+
+def test_one_pass_insert_gives_the_per_shard_result(monkeypatch):
+    rng = np.random.default_rng(0)
+    fast, slow, taken = _pair(100_000, 8, monkeypatch)
+    _steps(fast, slow, rng, 20, rng.integers(1, 2**63, size=3000, dtype=np.int64))
+    assert taken and all(taken)  # plenty of room: the one-pass path did every insert
+
+
+def test_full_shards_fall_back_to_eviction_and_still_agree(monkeypatch):
+    rng = np.random.default_rng(1)
+    fast, slow, taken = _pair(800, 4, monkeypatch)  # far fewer rows than IDs: evictions, tombstones
+    _steps(fast, slow, rng, 30, rng.integers(1, 2**63, size=5000, dtype=np.int64))
+    assert True in taken and False in taken  # one pass while there was room, per shard after
+    assert fast.stats()["evictions"] == slow.stats()["evictions"] > 0
