@@ -73,6 +73,7 @@ def serving(checkpoint: Path, model: Path, ps_config: dict | None = None, **serv
     try:
         server = ModelServer(ServeConfig(embedding_workers=[worker.address], model=str(model), http_port=0,
                                          grpc_port=0, **serve))
+        server.test_ps = ps  # for the tests' look at the inference PS's counters
         yield server
     finally:
         if server is not None:

@@ -47,13 +47,14 @@ class EmbeddingParameterServer:
         self.num_workers = global_config.common_config.checkpointing_config.num_workers
         self.metrics = Metrics("embedding_parameter_server", replica_index)
         if start_exporter() is not None:
-            register_stats("embedding_parameter_server", replica_index, self.store.stats)
+            register_stats("embedding_parameter_server", replica_index,
+                           lambda: {k: v for k, v in self.stats().items() if k != "replica_index"})
         self._configured = False
         self._optimizer = None
         self._status = {"state": "idle", "error": None}
         self._status_lock = threading.Lock()
         self.incremental = None
-        if pc.enable_incremental_update:
+        if pc.enable_incremental_update and global_config.common_config.job_type != "Infer":  # Infer applies them
             from persia.embedding_ps.incremental import IncrementalDumper
 
             self.incremental = IncrementalDumper(
@@ -172,6 +173,16 @@ class EmbeddingParameterServer:
     def stats(self) -> dict:
         out = dict(self.store.stats())
         out["replica_index"] = self.replica_index
+        applier, dumper = getattr(self, "applier", None), getattr(self, "incremental", None)  # early scrapes
+        if applier is not None:  # inference PS: how fresh the served embeddings are
+            out["incremental_packets_applied"] = len(applier.applied)
+            out["incremental_packets_rejected"] = len(applier.rejected)
+            out["incremental_rows_applied"] = applier.rows_applied
+            if applier.last_delay_sec is not None:
+                out["incremental_delay_seconds"] = applier.last_delay_sec
+        if dumper is not None:  # training PS: what it shipped
+            out["incremental_packets_written"] = dumper.packets_written
+            out["incremental_rows_written"] = dumper.rows_written
         return out
 
     # -- data path --------------------------------------------------------------------------------
