@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 
+from persia.errors import PersiaValidationError
+
 log = logging.getLogger(__name__)
 
 PERSIA_LAUNCHER_VERBOSE = os.environ.get("PERSIA_LAUNCHER_VERBOSE", "0") == "1"
@@ -57,10 +59,11 @@ def get_replica_size() -> int | None:
 
 
 def check_replica(index: int, size: int, role: str) -> None:
+    """A ValueError that is also an AssertionError, as PERSIA's ``assert`` checks were."""
     if size < 1:
-        raise ValueError(f"{role}: replica size must be >= 1, got {size}")
+        raise PersiaValidationError(f"{role}: replica size must be >= 1, got {size}")
     if not 0 <= index < size:
-        raise ValueError(f"{role}: replica index {index} out of range for replica size {size}")
+        raise PersiaValidationError(f"{role}: replica index {index} out of range for replica size {size}")
 
 
 # PERSIA's keyword names for set_env and the variables every getter here reads.

@@ -74,18 +74,40 @@ def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
     return out
 
 
-def uniform_from_signs(signs: np.ndarray, dim: int, lower: float, upper: float) -> np.ndarray:
-    """Deterministic per-ID initial rows: element ``j`` of row ``sign`` is a pure function of both.
+def _seed_salt(*parts: int) -> np.uint64:
+    """One 64-bit salt from the user's seed (and a nonce): 0 for seed 0, so seed 0 keeps the
+    initial values every earlier checkpoint was created with."""
+    if not any(parts):
+        return np.uint64(0)
+    acc = np.uint64(0)
+    with np.errstate(over="ignore"):
+        for p in parts:
+            acc = mix64(np.array([acc ^ np.uint64(int(p) & 0xFFFFFFFFFFFFFFFF)], dtype=np.uint64))[0]
+    return acc
+
+
+def uniform_from_signs(signs: np.ndarray, dim: int, lower: float, upper: float, seed: int = 0) -> np.ndarray:
+    """Deterministic per-ID initial rows: element ``j`` of row ``sign`` is a pure function of both
+    (and of the user's ``seed``).
 
     A row that is evicted and re-created comes back with the same initial value, and every PS
     replica agrees on it regardless of sharding.
     """
     signs = np.asarray(signs, dtype=np.uint64)
+    if seed:
+        signs = signs ^ _seed_salt(seed)
     cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
     with np.errstate(over="ignore"):
         h = mix64(mix64(signs)[:, None] ^ cols[None, :])
     unit = (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return (lower + (upper - lower) * unit).astype(np.float32)
+
+
+def unit_from_signs(signs: np.ndarray, seed: int, nonce: int) -> np.ndarray:
+    """A uniform draw in ``[0, 1)`` per sign, a pure function of ``(sign, seed, nonce)``: the PS
+    admits new IDs with it, so which IDs get a row does not depend on how IDs are sharded."""
+    h = mix64_salted(np.asarray(signs, dtype=np.uint64), int(_seed_salt(seed, nonce + 1, 0xAD317)))
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def mix64_salted(x: np.ndarray, salt: int) -> np.ndarray:

@@ -129,6 +129,7 @@ class Configure(_Msg):
     init_upper: float = 0.01
     admit_probability: float = 1.0
     weight_bound: float = 10.0
+    seed: Annotated[int, Field(ge=0, lt=1 << 63)] = 0
 
 
 class RegisterOptimizer(BaseModel):
@@ -158,6 +159,7 @@ class PsTable(_Msg):
 
 class PsLookup(_Msg):
     train: bool
+    nonce: Index | None = None  # the batch id: admission draws independent of the sharding
     tables: Annotated[list[PsTable], Field(max_length=MAX_ITEMS)]
 
 

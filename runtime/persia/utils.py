@@ -17,9 +17,16 @@ import yaml
 RESULT_PREFIX = "PERSIA_RESULT "
 
 
+_embedding_seed: int | None = None
+
+
 def setup_seed(seed: int) -> None:
+    """Seeds random, numpy, torch (deterministic algorithms) and, unlike PERSIA, the embeddings:
+    contexts entered afterwards push ``seed`` to the PS unless their EmbeddingConfig has one."""
     import torch
 
+    global _embedding_seed
+    _embedding_seed = _check_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -36,6 +43,20 @@ def _port_is_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < 1 << 63:
+        raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+    return int(seed)
+
+
+def embedding_seed(explicit: int | None = None) -> int:
+    """The seed the PS initialises and admits embeddings with: ``explicit`` (an EmbeddingConfig's),
+    else the last ``setup_seed``, else 0."""
+    if explicit is not None:
+        return _check_seed(explicit)
+    return 0 if _embedding_seed is None else _embedding_seed
 
 
 def find_free_port(port: int | None = None, interval: int = 1, *, host: str = "127.0.0.1") -> int:

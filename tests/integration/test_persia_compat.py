@@ -24,7 +24,7 @@ from persia.embedding.data import IDTypeFeature, Label, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad, Adam
 
 from .cluster import cluster
-from .test_training_path import Model, make_batch, send_in_thread, train
+from .test_training_path import Model, eval_embeddings, make_batch, send_in_thread, train
 
 # -- persia.env -------------------------------------------------------------------------------------
 
@@ -286,3 +286,78 @@ def test_a_second_epoch_with_a_new_data_ctx_trains_every_batch(persia_env):
     with cluster(num_ps=1, num_workers=2):
         assert train(model, 3, staleness=1)[0] == 3
         assert train(model, 3, staleness=1, seed0=10)[0] == 3
+
+
+# -- seeding ------------------------------------------------------------------------------------------
+
+
+def _seeded_run(num_ps: int, embedding_config: EmbeddingConfig):
+    """Synchronous reference training (staleness 1, reproducible order), then eval lookups."""
+    torch.manual_seed(0)
+    model = Model()
+    with cluster(num_ps=num_ps, num_workers=1):
+        errors: list = []
+        sender = send_in_thread([make_batch(i) for i in range(8)], errors)
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1), embedding_config=embedding_config,
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+                out, labels = ctx.forward(batch)
+                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+            ctx.wait_for_pending_updates()
+            emb = eval_embeddings(model, [make_batch(77, requires_grad=False)])[0]
+            rows = sum(ctx.get_embedding_size())
+        sender.join(30)
+        assert not errors, errors
+    return [p.detach().clone() for p in model.parameters()], emb, rows
+
+
+@pytest.mark.integration
+def test_same_seed_same_result_whatever_the_ps_count(persia_env, monkeypatch):
+    import persia.utils
+
+    monkeypatch.setattr(persia.utils, "_embedding_seed", None)
+    # admission below 1 too: which new IDs get a row must not depend on the sharding either
+    params_a, emb_a, rows_a = _seeded_run(1, EmbeddingConfig(admit_probability=0.6, seed=7))
+    persia.utils.setup_seed(7)  # PERSIA's setup_seed now reaches the embeddings as well
+    params_b, emb_b, rows_b = _seeded_run(2, EmbeddingConfig(admit_probability=0.6))
+    assert rows_a == rows_b
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for x, y in zip(emb_a, emb_b):
+        np.testing.assert_array_equal(x, y)
+    _, emb_c, _ = _seeded_run(1, EmbeddingConfig(admit_probability=0.6, seed=8))
+    assert any(not np.array_equal(x, y) for x, y in zip(emb_a, emb_c))
+
+
+def test_seeded_init_and_admission_are_pure_functions_of_id_and_seed():
+    from persia.embedding_ps import EmbeddingStore, HyperParameters
+    from persia.hashing import uniform_from_signs, unit_from_signs
+
+    signs = np.arange(1, 20001, dtype=np.uint64)
+    base = uniform_from_signs(signs, 4, -0.5, 0.5)
+    np.testing.assert_array_equal(uniform_from_signs(signs, 4, -0.5, 0.5, seed=0), base)  # old checkpoints' values
+    other = uniform_from_signs(signs, 4, -0.5, 0.5, seed=7)
+    assert not np.array_equal(other, base) and -0.5 <= other.min() and other.max() < 0.5
+    draws = unit_from_signs(signs, 7, nonce=3)
+    np.testing.assert_array_equal(draws, unit_from_signs(signs, 7, nonce=3))
+    assert not np.array_equal(draws, unit_from_signs(signs, 7, nonce=4))
+    assert abs(draws.mean() - 0.5) < 0.02 and draws.min() >= 0 and draws.max() < 1
+
+    # the store's own replica seed and internal sharding no longer decide which IDs are admitted
+    admitted = []
+    for replica_seed, shards in ((0, 1), (5, 4)):
+        store = EmbeddingStore(100_000, shards, seed=replica_seed)
+        store.configure(HyperParameters(admit_probability=0.5, seed=7))
+        rows = store.lookup(signs[:1000], 4, train=True, nonce=11)
+        admitted.append(np.flatnonzero(rows.any(axis=1)))
+    np.testing.assert_array_equal(admitted[0], admitted[1])
+    assert 400 < admitted[0].size < 600
+
+
+def test_embedding_config_seed_is_validated():
+    assert EmbeddingConfig(seed=3).seed == 3 and EmbeddingConfig().seed is None
+    assert EmbeddingConfig.from_dict(EmbeddingConfig(seed=3).to_dict()).seed == 3
+    with pytest.raises(TypeError, match="EmbeddingConfig.seed must be an integer or None, got str"):
+        EmbeddingConfig(seed="3")
+    with pytest.raises(ValueError, match=r"EmbeddingConfig.seed must be in \[0, 2\*\*63\), got -1"):
+        EmbeddingConfig(seed=-1)

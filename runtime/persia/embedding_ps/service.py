@@ -193,7 +193,9 @@ class EmbeddingParameterServer:
                 f"PS replica {self.replica_index} got a training lookup before its hyperparameters: "
                 "TrainCtx configures them when it is entered"
             )
-        rows = [self.store.lookup(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train) for t in req["tables"]]
+        nonce = req.get("nonce")
+        rows = [self.store.lookup(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train, nonce)
+                for t in req["tables"]]
         return {"rows": rows}
 
     def update(self, req: dict) -> dict:

@@ -34,6 +34,7 @@ from persia.embedding_ps.optimizers import (
 )
 from persia.embedding_ps.rwlock import RWLock, read_all, write_all, write_some
 from persia.embedding_ps.table import DimTable
+from persia.hashing import unit_from_signs
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class HyperParameters(BaseModel):
     init_upper: float = Field(default=0.01, allow_inf_nan=False)
     admit_probability: float = Field(default=1.0, gt=0, le=1)
     weight_bound: float = Field(default=10.0, ge=0, allow_inf_nan=False)
+    # the user's seed: initial values and admission draws are functions of (ID, seed) only
+    seed: int = Field(default=0, ge=0, lt=1 << 63)
 
     @model_validator(mode="after")
     def _bounds_in_order(self) -> "HyperParameters":
@@ -245,13 +248,15 @@ class EmbeddingStore:
         return out
 
     # -- data path ------------------------------------------------------------------------------
-    def lookup(self, signs: np.ndarray, dim: int, train: bool) -> np.ndarray:
+    def lookup(self, signs: np.ndarray, dim: int, train: bool, nonce: int | None = None) -> np.ndarray:
         """Rows of ``signs`` as float32 ``(n, dim)``.
 
         ``train``: missing rows are created (each with probability ``admit_probability``, with the
         deterministic initial value of its sign; a row not admitted reads as zeros) and every row
         read becomes most recently used. Not ``train``: nothing is created or refreshed; misses
-        read as zeros.
+        read as zeros. ``nonce`` (the batch id): admission draws are then a pure function of
+        ``(sign, seed, nonce)``, the same on any number of PS replicas; without it, this store's
+        random generator decides.
         """
         q = _as_signs(signs)
         dim = _as_dim(dim)
@@ -286,7 +291,7 @@ class EmbeddingStore:
         mh = ix.sign_hash(mq) if h is None else h[miss]
         new_signs, first = np.unique(mq, return_index=True)
         if not self._insert_all_shards(dim, new_signs, mh[first], clock):
-            self._insert(dim, new_signs, mh[first], clock, admit=True)
+            self._insert(dim, new_signs, mh[first], clock, admit=True, nonce=nonce)
         sub = np.empty((miss.shape[0], dim), dtype=np.float32)
         with read_all(self._locks, self._touched(mh)):
             table = self._tables.get(dim)
@@ -411,22 +416,23 @@ class EmbeddingStore:
                 if live + m > self.shard_capacity or table.room(k) < m or table.tombstones[k]:
                     return False
             if signs.shape[0]:
-                table.insert_across(shard, signs, h, clock, self._hp.init_lower, self._hp.init_upper)
+                table.insert_across(shard, signs, h, clock, self._hp.init_lower, self._hp.init_upper, self._hp.seed)
                 self._count(inserted=int(signs.shape[0]))
         return True
 
-    def _insert(self, dim, signs, h, clock, *, admit: bool, weights=None, state=None, state_code=None) -> int:
+    def _insert(self, dim, signs, h, clock, *, admit: bool, weights=None, state=None, state_code=None,
+                nonce: int | None = None) -> int:
         """Insert absent signs shard by shard; with ``weights``, also overwrite present rows
         (``upsert``). Returns the number of rows written."""
         written = 0
         for k, sel in self._groups(h):
             pick = (lambda a: a) if sel is None else (lambda a, sel=sel: None if a is None else a[sel])
             written += self._insert_shard(
-                dim, k, pick(signs), pick(h), clock, admit, pick(weights), pick(state), state_code
+                dim, k, pick(signs), pick(h), clock, admit, pick(weights), pick(state), state_code, nonce
             )
         return written
 
-    def _insert_shard(self, dim, k, signs, h, clock, admit, weights, state, state_code) -> int:
+    def _insert_shard(self, dim, k, signs, h, clock, admit, weights, state, state_code, nonce=None) -> int:
         """Insert into shard ``k`` under its lock; returns rows written. Admission and capacity
         decisions are taken once per sign: a retry after growing the table keeps them."""
         hp = self._hp
@@ -442,7 +448,9 @@ class EmbeddingStore:
                     written += int(np.count_nonzero(hit))
                 new = np.flatnonzero(~hit)
                 if admit and hp.admit_probability < 1.0 and new.size:
-                    chosen = self._rngs[k].random(new.shape[0]) < hp.admit_probability
+                    draw = (self._rngs[k].random(new.shape[0]) if nonce is None
+                            else unit_from_signs(signs[new], hp.seed, nonce))
+                    chosen = draw < hp.admit_probability
                     self._count(not_admitted=int(new.shape[0] - np.count_nonzero(chosen)))
                     new = new[chosen]
                 admit = False
@@ -460,7 +468,8 @@ class EmbeddingStore:
                     return written
                 if table.room(k) >= m:
                     table.insert(k, signs[new], h[new], clock, hp.init_lower, hp.init_upper,
-                                 None if weights is None else weights[new], state[new] if keep_state else None)
+                                 None if weights is None else weights[new], state[new] if keep_state else None,
+                                 hp.seed)
                     self._count(inserted=m)
                     return written + m
                 grow_to = int(table.high_water[k]) + m - int(table.free[k].shape[0])

@@ -212,7 +212,8 @@ class DimTable:
         return np.ndarray(shape=(block.shape[0],), dtype=self._weights_item, buffer=block, strides=(block.strides[0],))
 
     # -- mutation -------------------------------------------------------------------------------
-    def insert(self, shard: int, signs, h, stamp: int, lower: float, upper: float, weights=None, state=None) -> np.ndarray:
+    def insert(self, shard: int, signs, h, stamp: int, lower: float, upper: float, weights=None, state=None,
+               seed: int = 0) -> np.ndarray:
         """Add absent ``signs`` to ``shard`` (the caller checked absence and ``room``); returns the rows.
 
         New rows get ``weights`` or the deterministic uniform initial value, ``state`` or the
@@ -228,7 +229,7 @@ class DimTable:
         self.high_water[shard] += m - reuse
         g = local + self.base(shard)
         block = np.zeros((m, self.width), dtype=np.float32)
-        block[:, : self.dim] = uniform_from_signs(signs, self.dim, lower, upper) if weights is None else weights
+        block[:, : self.dim] = uniform_from_signs(signs, self.dim, lower, upper, seed) if weights is None else weights
         block[:, self.key_col : self.key_col + 2].view(np.uint64)[:, 0] = signs
         self._rows_v[g] = _void(block)
         if self.state_width:
@@ -240,7 +241,8 @@ class DimTable:
         self.live[shard] += m
         return g
 
-    def insert_across(self, shards: np.ndarray, signs, h, stamp: int, lower: float, upper: float) -> np.ndarray:
+    def insert_across(self, shards: np.ndarray, signs, h, stamp: int, lower: float, upper: float,
+                      seed: int = 0) -> np.ndarray:
         """:meth:`insert` of absent ``signs`` spread over several shards (``shards[i]`` is sign
         i's), with initial values. The caller owns those shards, checked ``room`` and that they
         have no tombstones (so the index insert reuses none). Returns the rows."""
@@ -258,7 +260,7 @@ class DimTable:
             self.live[k] += c
             g[order[a : a + c]] = local + self.base(k)
         block = np.zeros((m, self.width), dtype=np.float32)
-        block[:, : self.dim] = uniform_from_signs(signs, self.dim, lower, upper)
+        block[:, : self.dim] = uniform_from_signs(signs, self.dim, lower, upper, seed)
         block[:, self.key_col : self.key_col + 2].view(np.uint64)[:, 0] = signs
         self._rows_v[g] = _void(block)
         if self.state_width:

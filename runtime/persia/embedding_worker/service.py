@@ -160,10 +160,13 @@ class EmbeddingWorker:
         futures = [None if r is None else self.ps[s].future(method, r) for s, r in enumerate(requests)]
         return [None if f is None else self.ps[s].result(method, f) for s, f in enumerate(futures)]
 
-    def _lookup_prepared(self, prepared: pipeline.PreparedBatch, train: bool) -> tuple[list[dict], list]:
+    def _lookup_prepared(self, prepared: pipeline.PreparedBatch, train: bool,
+                         nonce: int | None = None) -> tuple[list[dict], list]:
         positions = pipeline.split_by_shard(prepared.tables, len(self.ps))
+        extra = {} if nonce is None else {"nonce": nonce}  # the batch id: sharding-free admission draws
         requests = [
-            {"train": train, "tables": [{"dim": d, "signs": prepared.tables[d][p]} for d, p in positions[s].items()]}
+            {"train": train, "tables": [{"dim": d, "signs": prepared.tables[d][p]} for d, p in positions[s].items()],
+             **extra}
             if positions[s] else None
             for s in range(len(self.ps))
         ]
@@ -182,7 +185,7 @@ class EmbeddingWorker:
                                     checked=True)  # validated by on_forward when it arrived
         # an eval/infer NN context asks train=False: no rows created, no gradients awaited
         train = bool(batch.get("requires_grad", True)) and bool(req.get("train", True))
-        pooled, positions = self._lookup_prepared(prepared, train)
+        pooled, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"))
         if train:
             self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)
             self.metrics.inc("staleness")

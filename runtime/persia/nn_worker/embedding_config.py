@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Real
-from typing import Any, Mapping, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 import numpy as np
 
@@ -35,11 +35,15 @@ class EmbeddingConfig:
         lookup (otherwise it reads as zeros and is not stored).
     weight_bound: after every update each element is clipped to ``[-weight_bound, weight_bound]``;
         ``0`` disables clipping (PERSIA's "``> 0`` enables" convention).
+    seed: (not in PERSIA) initial values and admission draws are functions of (ID, seed), so two
+        synchronous runs with one seed match whatever the PS count; ``None``: the last
+        ``persia.utils.setup_seed``, else 0.
     """
 
     emb_initialization: Tuple[float, float] = (-0.01, 0.01)
     admit_probability: float = 1.0
     weight_bound: float = 10
+    seed: Optional[int] = None
 
     def __post_init__(self) -> None:
         bounds = self.emb_initialization
@@ -62,6 +66,12 @@ class EmbeddingConfig:
         object.__setattr__(self, "emb_initialization", (lower, upper))
         object.__setattr__(self, "admit_probability", admit)
         object.__setattr__(self, "weight_bound", bound)
+        if self.seed is not None:
+            if isinstance(self.seed, (bool, np.bool_)) or not isinstance(self.seed, (int, np.integer)):
+                raise TypeError(f"EmbeddingConfig.seed must be an integer or None, got {type(self.seed).__name__} {self.seed!r:.40}")
+            if not 0 <= int(self.seed) < 1 << 63:
+                raise ValueError(f"EmbeddingConfig.seed must be in [0, 2**63), got {self.seed}")
+            object.__setattr__(self, "seed", int(self.seed))
 
     def to_dict(self) -> dict:
         """Plain values for the wire (the PS rebuilds it with :meth:`from_dict`, re-validating)."""
@@ -69,11 +79,12 @@ class EmbeddingConfig:
             "emb_initialization": list(self.emb_initialization),
             "admit_probability": self.admit_probability,
             "weight_bound": self.weight_bound,
+            "seed": self.seed,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EmbeddingConfig":
-        unknown = set(d) - {"emb_initialization", "admit_probability", "weight_bound"}
+        unknown = set(d) - {"emb_initialization", "admit_probability", "weight_bound", "seed"}
         if unknown:
             raise ValueError(f"EmbeddingConfig: unknown field(s) {sorted(unknown)}")
         kwargs = dict(d)

@@ -25,6 +25,7 @@ from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embed
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.rpc import Client
+from persia.utils import embedding_seed
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +282,8 @@ def configure_embedding_parameter_servers(ctx: EmbeddingCtx, config: EmbeddingCo
     lower, upper = config.emb_initialization
     ctx._ps_all("configure", {"init_lower": float(lower), "init_upper": float(upper),
                               "admit_probability": float(config.admit_probability),
-                              "weight_bound": float(config.weight_bound)}, timeout=120)
+                              "weight_bound": float(config.weight_bound),
+                              "seed": embedding_seed(config.seed)}, timeout=120)
 
 
 def register_optimizer_on_all_ps(optimizer, ctx: EmbeddingCtx | None = None) -> None:
