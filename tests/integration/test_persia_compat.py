@@ -353,6 +353,12 @@ def test_seeded_init_and_admission_are_pure_functions_of_id_and_seed():
     np.testing.assert_array_equal(admitted[0], admitted[1])
     assert 400 < admitted[0].size < 600
 
+    # every insert path (one pass across internal shards when all are admitted, too) uses the seed
+    for shards in (1, 4):
+        store = EmbeddingStore(100_000, shards)
+        store.configure(HyperParameters(init_lower=-0.5, init_upper=0.5, seed=7))
+        np.testing.assert_array_equal(store.lookup(signs[:500], 4, train=True, nonce=1), other[:500])
+
 
 def test_embedding_config_seed_is_validated():
     assert EmbeddingConfig(seed=3).seed == 3 and EmbeddingConfig().seed is None
