@@ -129,3 +129,44 @@ def test_undecodable_and_oversized_ps_requests_are_invalid_argument(persia_env):
             assert client.call("Stats", None, timeout=10)["replica_index"] == 0
         finally:
             client.close()
+
+
+def test_malformed_grpc_requests_never_change_state_or_stop_a_server(persia_env):
+    """Hypothesis over every gRPC request schema, against a real PS and embedding worker."""
+    from hypothesis import HealthCheck, given, settings
+
+    from .test_security_nats import message_for
+
+    with cluster(1, 1) as (ps, ew):
+        ps.configure({})
+        ps.register_optimizer({"type": "SGD", "lr": 0.1})
+        ps.lookup({"train": True, "tables": [{"dim": 4, "signs": np.arange(1, 6, dtype=np.uint64)}]})
+        clients = {"ps": rpc.Client(f"127.0.0.1:{ps.port}", "persia.EmbeddingParameterServer"),
+                   "ew": rpc.Client(f"127.0.0.1:{ew.port}", "persia.EmbeddingWorker")}
+        methods = [("ps", "Lookup", M.PsLookup), ("ps", "Update", M.PsUpdate), ("ps", "Stats", M.NoPayload),
+                   ("ew", "Lookup", M.WorkerLookup), ("ew", "LookupDirect", M.WorkerLookupDirect),
+                   ("ew", "Update", M.WorkerUpdate), ("ew", "Release", M.WorkerRelease)]
+        before = (len(ps.store), ew.stats())
+        refused = set()
+        try:
+            for role, method, schema in methods:
+                @settings(max_examples=20, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+                @given(message_for(schema))
+                def send(msg):
+                    try:
+                        M.validate(schema, msg)
+                        return  # well-formed: not this test's subject
+                    except M.MessageError:
+                        pass
+                    with pytest.raises(RemoteError) as err:
+                        clients[role].call(method, msg, timeout=10)
+                    assert err.value.kind == "INVALID_ARGUMENT", (method, msg, err.value)
+                    refused.add((role, method))
+
+                send()
+            assert refused == {(role, method) for role, method, _ in methods}
+            assert (len(ps.store), ew.stats()) == before
+            assert clients["ps"].call("Stats", None, timeout=10)["replica_index"] == 0
+        finally:
+            for c in clients.values():
+                c.close()
