@@ -353,12 +353,13 @@ def run_local(args) -> int:
 
 
 class _Progress:
-    """Batches trained so far, from the NN workers' progress messages on NATS."""
+    """The live summary line, from the NN workers' progress messages on NATS: batches trained,
+    batches/s, training loss, AUC so far, embedding staleness (``summary`` is pure)."""
 
     def __init__(self, url: str, job: str, out: _Output, enabled: bool = True, env: dict | None = None):
         self.url, self.job, self.out, self.enabled = url, job, out, enabled
         self.env = env or {}
-        self.counts: dict[int, int] = {}
+        self.ranks: dict[int, dict] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._bus = None
@@ -373,22 +374,36 @@ class _Progress:
         self._bus = NatsBus(self.url, name="local-progress", auth=NatsAuth.from_env(self.env),
                             secret=job_secret(self.env))
         self._bus.subscribe_events(subject("nn", "progress", job=self.job),
-                                   lambda m: self.counts.__setitem__(m["rank"], m["trained"]), schema=Progress)
+                                   lambda m: self.ranks.__setitem__(m["rank"], dict(m)), schema=Progress)
         self._thread = threading.Thread(target=self._render, daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def summary(ranks: dict[int, dict], rate: float) -> str:
+        """Pure: one line for every rank together (trained summed, loss and AUC averaged over the
+        ranks that report them, staleness the worst rank's)."""
+        total = sum(m["trained"] for m in ranks.values())
+        parts = [f"trained {total} batches ({rate:.1f} batch/s)"]
+        for key, label, fmt in (("loss", "loss", "{:.4f}"), ("auc", "AUC so far", "{:.4f}")):
+            vals = [m[key] for m in ranks.values() if m.get(key) is not None]
+            if vals:
+                parts.append(f"{label} " + fmt.format(sum(vals) / len(vals)))
+        stale = [m["staleness"] for m in ranks.values() if m.get("staleness") is not None]
+        if stale:
+            parts.append(f"staleness {max(stale)}")
+        return ", ".join(parts)
+
     def _render(self) -> None:
         t0 = time.monotonic()
-        last = -1
+        last = None
         tty = sys.stdout.isatty()
         while not self._stop.wait(2.0 if tty else 10.0):
-            total = sum(self.counts.values())
-            if total == last:
+            snapshot = {r: dict(m) for r, m in list(self.ranks.items())}
+            if not snapshot or snapshot == last:
                 continue
-            last = total
-            rate = total / max(1e-9, time.monotonic() - t0)
-            bar = "#" * min(30, total // 10)
-            self.out.line("progress", f"trained {total} batches ({rate:.1f} batch/s) {bar}")
+            last = snapshot
+            total = sum(m["trained"] for m in snapshot.values())
+            self.out.line("progress", self.summary(snapshot, total / max(1e-9, time.monotonic() - t0)))
 
     def stop(self) -> None:
         self._stop.set()

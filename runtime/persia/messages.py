@@ -113,6 +113,9 @@ class Progress(_Msg):
 
     rank: Index
     trained: Index
+    loss: float | None = None  # mean training loss since the previous event
+    auc: float | None = Field(default=None, ge=0.0, le=1.0)  # training AUC so far (binned)
+    staleness: Index | None = None  # embedding updates in flight (batches read, not yet applied)
 
 
 # -- NATS: PS control --------------------------------------------------------------------------------

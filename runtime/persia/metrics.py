@@ -14,6 +14,9 @@ from collections import defaultdict
 
 log = logging.getLogger(__name__)
 
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                   60.0, 300.0)
+
 _exporter_started = False
 _exporter_port: int | None = None
 _exporter_lock = threading.Lock()
@@ -122,13 +125,15 @@ class Metrics:
     def _export(self, name: str, feat: str, op: str, value: float) -> None:
         if not _exporter_started:
             return
-        from prometheus_client import Gauge, Summary
+        from prometheus_client import Gauge, Histogram
 
         metric = self._prom.get(name)
         if metric is None:
             labels = ["role", "replica"] + (["feat"] if feat else [])
             full = f"persia_{name}"
-            metric = Summary(full, name, labels) if op == "observe" else Gauge(full, name, labels)
+            # timings are histograms, so dashboards can take quantiles across replicas (docs/metrics.md)
+            metric = (Histogram(full, name, labels, buckets=LATENCY_BUCKETS) if op == "observe"
+                      else Gauge(full, name, labels))
             self._prom[name] = metric
         lbl = {"role": self.role, "replica": str(self.replica)}
         if feat:

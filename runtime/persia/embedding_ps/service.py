@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -193,9 +194,11 @@ class EmbeddingParameterServer:
                 f"PS replica {self.replica_index} got a training lookup before its hyperparameters: "
                 "TrainCtx configures them when it is entered"
             )
+        t0 = time.perf_counter()
         nonce = req.get("nonce")
         rows = [self.store.lookup(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train, nonce)
                 for t in req["tables"]]
+        self.metrics.observe("ps_lookup_time_cost_sec", time.perf_counter() - t0)
         return {"rows": rows}
 
     def update(self, req: dict) -> dict:
@@ -203,10 +206,12 @@ class EmbeddingParameterServer:
             raise NotConfiguredError(
                 f"PS replica {self.replica_index} got gradients before an optimizer was registered"
             )
+        t0 = time.perf_counter()
         missing = 0
         for t in req["tables"]:
             signs = np.asarray(t["signs"], dtype=np.uint64)
             missing += self.store.update(signs, np.asarray(t["grads"], dtype=np.float32))
+        self.metrics.observe("ps_update_time_cost_sec", time.perf_counter() - t0)
         return {"missing": missing}
 
     def stop(self) -> None:

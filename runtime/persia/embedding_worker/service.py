@@ -95,6 +95,7 @@ class EmbeddingWorker:
         self._recent_lock = threading.Lock()
         self.metrics = Metrics("embedding_worker", replica_index)
         start_exporter()
+        self.metrics.set("forward_buffer_capacity", wc.forward_buffer_size)
         self.bus = bus
         self._server, self.port = rpc.serve(
             SERVICE,
@@ -189,13 +190,18 @@ class EmbeddingWorker:
         if train:
             self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)
             self.metrics.inc("staleness")
+        self.metrics.set("num_pending_batches", len(self.forward_buffer))
+        self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in batch["features"]))
         self.metrics.observe("lookup_total_time_cost_sec", time.perf_counter() - t0)
         return {"slots": pooled}
 
     def lookup_direct(self, req: dict) -> dict:
         """Look up raw ID features sent by the NN worker itself (eval / inference): never creates rows."""
+        t0 = time.perf_counter()
         prepared = pipeline.prepare(req["features"], int(req["batch_size"]), self.slots, self.prefix_bit)
         pooled, _ = self._lookup_prepared(prepared, train=False)
+        self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in req["features"]))
+        self.metrics.observe("lookup_direct_time_cost_sec", time.perf_counter() - t0)
         return {"slots": pooled}
 
     def update(self, req: dict) -> dict:

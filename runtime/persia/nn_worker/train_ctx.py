@@ -20,6 +20,7 @@ from persia.nn_worker.embedding_ctx import (
     configure_embedding_parameter_servers,
     register_optimizer_on_all_ps,
 )
+from persia.nn_worker.progress import TrainingProgress
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -74,6 +75,7 @@ class TrainCtx(EmbeddingCtx):
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
+        self._progress = TrainingProgress(self.rank)
 
     def _enter(self) -> None:
         super()._enter()
@@ -113,6 +115,11 @@ class TrainCtx(EmbeddingCtx):
         t = torch.tensor([have], dtype=torch.int32)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._control_group)
         return bool(t.item())
+
+    def forward(self, batch: PersiaTrainingBatch):
+        output, labels = super().forward(batch)
+        self._progress.saw(output, labels)  # for the live AUC (nn.progress, /metrics)
+        return output, labels
 
     def _run_model(self, non_id, emb):
         if self.grad_scaler is not None:
@@ -155,6 +162,7 @@ class TrainCtx(EmbeddingCtx):
         if non_finite:
             self.skipped_non_finite += 1
         self.trained_batches += 1
+        self._progress.trained(loss)
         self._report_progress()
         return scaled
 
@@ -205,7 +213,10 @@ class TrainCtx(EmbeddingCtx):
         if now - self._last_progress >= 0.5:
             self._last_progress = now
             try:
-                self.bus.publish(subject("nn", "progress"), {"rank": self.rank, "trained": self.trained_batches})
+                with self._pending_lock:
+                    staleness = len(self._pending)
+                self.bus.publish(subject("nn", "progress"),
+                                 self._progress.report(self.rank, self.trained_batches, staleness))
             except Exception:  # noqa: BLE001 - progress is best effort
                 pass
 

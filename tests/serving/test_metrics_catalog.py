@@ -1,0 +1,147 @@
+"""docs/metrics.md is the contract: the Grafana dashboard queries only metrics listed there, and
+every metric listed there is served by the code. A real short job (`persia-launcher local`: nats-
+server, PS, embedding worker, NN worker, data loader as processes) is scraped while every role is
+still up; counters and histograms must be non-zero. Metrics that exist only once their event
+happened ("on event") are looked up in the source instead."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from persia.serving.metrics import METRIC_NAMES as SERVING_METRICS
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLES_DIR = Path(__file__).parent / "roles"
+DASHBOARD = ROOT / "charts" / "persia-operator" / "dashboards" / "persia-job.json"
+_ROW = re.compile(r"^\| `(persia_[a-z0-9_]+)` \| ([a-z ,]+) \| ([a-z_ ]+) \|")
+
+
+def catalog() -> dict[str, tuple[str, str, bool]]:
+    """metric -> (type, role, on_event) from docs/metrics.md's table."""
+    out = {}
+    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+        m = _ROW.match(line)
+        if m:
+            kind, role = m.group(2), m.group(3).strip()
+            out[m.group(1)] = (kind.split(",")[0].strip(), role, "on event" in kind)
+    return out
+
+
+def dashboard_metrics() -> set[str]:
+    exprs = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            if isinstance(node.get("expr"), str):
+                exprs.append(node["expr"])
+            if isinstance(node.get("query"), str):
+                exprs.append(node["query"])
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(DASHBOARD.read_text()))
+    return {name for e in exprs for name in re.findall(r"\bpersia_[a-z0-9_]+", e)}
+
+
+def base_name(name: str, cat: dict) -> str:
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.endswith(suffix) and name[: -len(suffix)] in cat:
+            return name[: -len(suffix)]
+    return name
+
+
+def test_the_dashboard_queries_only_catalogued_metrics():
+    cat = catalog()
+    assert len(cat) > 25
+    used = {base_name(n, cat) for n in dashboard_metrics()}
+    assert used - set(cat) == set(), "dashboard queries metrics missing from docs/metrics.md"
+    assert len(used) >= 25  # it draws nearly everything, not one panel
+
+
+def test_serving_and_on_event_metrics_exist_in_the_code():
+    cat = catalog()
+    serving = {n for n, (_, role, _) in cat.items() if role == "model server"}
+    assert serving <= set(SERVING_METRICS)
+    source = "\n".join(p.read_text() for p in (ROOT / "runtime" / "persia").rglob("*.py"))
+    for name, (_, _, on_event) in cat.items():
+        if on_event:
+            assert f'"{name.removeprefix("persia_")}"' in source, f"{name} is not in the runtime's source"
+
+
+def _free_ports(n: int) -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+def _samples(text: str) -> dict[str, float]:
+    """metric name -> the largest value among its series."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        name = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group(0)
+        value = float(line.rsplit(" ", 1)[1])
+        out[name] = max(out.get(name, value), value)
+    return out
+
+
+@pytest.mark.integration
+def test_every_role_serves_its_catalogued_metrics_after_a_short_run(tmp_path):
+    (tmp_path / "embedding_config.yml").write_text(yaml.safe_dump(
+        {"feature_index_prefix_bit": 8, "slots_config": {"user": {"dim": 4}, "item": {"dim": 4}, "tags": {"dim": 3}}}))
+    # a small capacity so the PS evicts rows during the run
+    (tmp_path / "global_config.yml").write_text(yaml.safe_dump(
+        {"embedding_parameter_server_config": {"capacity": 64, "num_hashmap_internal_shards": 1}}))
+    base = _free_ports(4)
+    out = tmp_path / "metrics.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(ROLES_DIR / "tiny_train.py"),
+         "--data-loader", str(ROLES_DIR / "tiny_loader.py"), "--embedding-config", str(tmp_path / "embedding_config.yml"),
+         "--global-config", str(tmp_path / "global_config.yml"), "--no-progress", "--max-restarts", "0",
+         "--env", f"PERSIA_METRICS_PORT={base}", "--env", f"METRICS_OUT={out}"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    scraped = {int(k): v for k, v in json.loads(out.read_text()).items()}
+    samples: dict[str, float] = {}
+    for text in scraped.values():
+        for name, value in _samples(text).items():
+            samples[name] = max(samples.get(name, value), value)
+    missing, zero = [], []
+    for name, (kind, role, on_event) in catalog().items():
+        if on_event or role == "model server":
+            continue
+        key = f"{name}_count" if kind == "histogram" else name
+        if key not in samples:
+            missing.append(name)
+        elif kind in ("histogram", "counter") and samples[key] <= 0:
+            zero.append(name)
+    assert not missing, f"not served by any role: {missing}\n" + "\n".join(scraped.values())[-3000:]
+    assert not zero, f"still zero after the run: {zero}"
