@@ -103,6 +103,7 @@ def _rendezvous_index(role: str, given: int, size: int) -> int:
     bus = NatsBus(name=f"rdzv-{role}")
     index, stop = claim_index(bus, role, size)
     _rendezvous_keepalive.append((bus, stop))  # renewed for as long as this launcher lives
+    print(f"persia-launcher: {role} index {index} of {size} from the NATS rendezvous", file=sys.stderr, flush=True)
     return index
 
 

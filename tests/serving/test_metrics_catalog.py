@@ -1,25 +1,19 @@
 """docs/metrics.md is the contract: the Grafana dashboard queries only metrics listed there, and
-every metric listed there is served by the code. A real short job (`persia-launcher local`: nats-
-server, PS, embedding worker, NN worker, data loader as processes) is scraped while every role is
-still up; counters and histograms must be non-zero. Metrics that exist only once their event
-happened ("on event") are looked up in the source instead."""
+every metric listed there is served by the code: test_online.py scrapes every role of a real job
+(`persia-launcher local` plus the serving processes) with :func:`assert_catalogued_metrics_served`;
+counters and histograms must be non-zero. Metrics that exist only once their event happened
+("on event") are looked up in the source instead."""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
-import yaml
 
 from persia.serving.metrics import METRIC_NAMES as SERVING_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
-ROLES_DIR = Path(__file__).parent / "roles"
 DASHBOARD = ROOT / "charts" / "persia-operator" / "dashboards" / "persia-job.json"
 _ROW = re.compile(r"^\| `(persia_[a-z0-9_]+)` \| ([a-z ,]+) \| ([a-z_ ]+) \|")
 
@@ -79,7 +73,7 @@ def test_serving_and_on_event_metrics_exist_in_the_code():
             assert f'"{name.removeprefix("persia_")}"' in source, f"{name} is not in the runtime's source"
 
 
-def _free_ports(n: int) -> int:
+def free_ports(n: int) -> int:
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -113,25 +107,11 @@ def _samples(text: str) -> dict[str, float]:
     return out
 
 
-@pytest.mark.integration
-def test_every_role_serves_its_catalogued_metrics_after_a_short_run(tmp_path):
-    (tmp_path / "embedding_config.yml").write_text(yaml.safe_dump(
-        {"feature_index_prefix_bit": 8, "slots_config": {"user": {"dim": 4}, "item": {"dim": 4}, "tags": {"dim": 3}}}))
-    # a small capacity so the PS evicts rows during the run
-    (tmp_path / "global_config.yml").write_text(yaml.safe_dump(
-        {"embedding_parameter_server_config": {"capacity": 64, "num_hashmap_internal_shards": 1}}))
-    base = _free_ports(4)
-    out = tmp_path / "metrics.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(ROLES_DIR / "tiny_train.py"),
-         "--data-loader", str(ROLES_DIR / "tiny_loader.py"), "--embedding-config", str(tmp_path / "embedding_config.yml"),
-         "--global-config", str(tmp_path / "global_config.yml"), "--no-progress", "--max-restarts", "0",
-         "--env", f"PERSIA_METRICS_PORT={base}", "--env", f"METRICS_OUT={out}"],
-        capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    scraped = {int(k): v for k, v in json.loads(out.read_text()).items()}
+def assert_catalogued_metrics_served(scrapes: list[str]) -> None:
+    """Every catalogued role metric (not "on event") is in one of the ``/metrics`` texts, counters
+    and histograms non-zero. Called by test_online.py on its real job (every role a process)."""
     samples: dict[str, float] = {}
-    for text in scraped.values():
+    for text in scrapes:
         for name, value in _samples(text).items():
             samples[name] = max(samples.get(name, value), value)
     missing, zero = [], []
@@ -143,5 +123,5 @@ def test_every_role_serves_its_catalogued_metrics_after_a_short_run(tmp_path):
             missing.append(name)
         elif kind in ("histogram", "counter") and samples[key] <= 0:
             zero.append(name)
-    assert not missing, f"not served by any role: {missing}\n" + "\n".join(scraped.values())[-3000:]
+    assert not missing, f"not served by any role: {missing}\n" + "\n".join(scrapes)[-3000:]
     assert not zero, f"still zero after the run: {zero}"

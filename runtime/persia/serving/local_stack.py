@@ -40,12 +40,17 @@ class InferenceStack:
 
     def __init__(self, workdir: str | Path, embedding_config: str, train_global_config: dict,
                  model: str, checkpoint: str | None, num_ps: int = 1, num_workers: int = 1,
-                 serve_flags: list[str] = (), env: dict[str, str] | None = None, log_dir: str | Path | None = None):
+                 serve_flags: list[str] = (), env: dict[str, str] | None = None, log_dir: str | Path | None = None,
+                 metrics_port: int | None = None):
+        """``metrics_port``: PS replica i serves /metrics on ``metrics_port + i``, embedding worker j on
+        ``metrics_port + num_ps + j`` (the model server's are on its HTTP port)."""
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ if env is None else env, PERSIA_BIND_ADDRESS=HOST)
-        for var in ("PERSIA_NATS_URL", "PERSIA_METRICS_PORT"):  # serving needs no NATS
+        for var in ("PERSIA_NATS_URL", "PERSIA_METRICS_PORT", "PERSIA_METRICS_PORT_OFFSET"):  # no NATS here
             self.env.pop(var, None)
+        self._metrics_port = metrics_port
+        self._next_offset = 0
         ps_ports = [find_free_port(HOST) for _ in range(num_ps)]
         ew_ports = [find_free_port(HOST) for _ in range(num_workers)]
         self.http_port, self.grpc_port = find_free_port(HOST), find_free_port(HOST)
@@ -71,7 +76,11 @@ class InferenceStack:
     def _spawn(self, argv: list[str], log_path: Path) -> subprocess.Popen:
         f = open(log_path, "w")
         self._logs.append((log_path, f))
-        return spawn(argv, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+        env = dict(self.env)
+        if self._metrics_port is not None and argv[3] != "serve":
+            env.update(PERSIA_METRICS_PORT=str(self._metrics_port), PERSIA_METRICS_PORT_OFFSET=str(self._next_offset))
+            self._next_offset += 1
+        return spawn(argv, env=env, stdout=f, stderr=subprocess.STDOUT)
 
     @property
     def url(self) -> str:
