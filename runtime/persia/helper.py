@@ -99,6 +99,7 @@ class PersiaServiceCtx:
         self._saved_env: dict[str, str | None] = {}
         self._failure: str | None = None
         self._in_body = False
+        self._body_lock = threading.Lock()  # no interrupt is sent once __exit__ has begun
         self._main_ident: int | None = None
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -201,16 +202,23 @@ class PersiaServiceCtx:
         while not self._stop.wait(0.2):
             failure = self._dead_server() or self._failed_child()
             if failure:
-                self._failure = failure
-                if self._in_body and self._main_ident is not None:
-                    # wakes a main thread blocked in a wait (a DataLoader, an Event) with KeyboardInterrupt,
-                    # which __exit__ turns into ServiceFailed
-                    signal.pthread_kill(self._main_ident, signal.SIGINT)
+                with self._body_lock:
+                    self._failure = failure
+                    if self._in_body and self._main_ident is not None:
+                        # wakes a main thread blocked in a wait (a DataLoader, an Event) with
+                        # KeyboardInterrupt, which __exit__ turns into ServiceFailed
+                        signal.pthread_kill(self._main_ident, signal.SIGINT)
                 return
 
     # -- exit ------------------------------------------------------------------------------------------
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._in_body = False
+        late = None
+        try:
+            with self._body_lock:
+                self._in_body = False
+        except KeyboardInterrupt as interrupt:  # arrived just as the block ended: handled here
+            late = interrupt
+            exc_type, exc = KeyboardInterrupt, interrupt
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join()
@@ -227,6 +235,8 @@ class PersiaServiceCtx:
         self._shutdown()
         if failures and (exc_type is None or exc_type is KeyboardInterrupt):
             raise ServiceFailed("PersiaServiceCtx: " + "; ".join(failures)) from exc
+        if late is not None:
+            raise late
         return False
 
     def _shutdown(self) -> None:

@@ -68,14 +68,16 @@ def test_service_ctx_runs_a_training_job_in_one_with(monkeypatch):
     assert os.environ.get("PERSIA_NATS_URL") == before  # this process's environment is restored
 
 
-def _crash():
-    raise SystemExit(3)
+def _crash_as_rank_0():
+    ranked = (os.environ.get("RANK"), os.environ.get("LOCAL_RANK"), os.environ.get("WORLD_SIZE")) == ("0", "0", "1")
+    raise SystemExit(3 if ranked else 4)  # 3: the NN-worker child got PERSIA's rank variables
 
 
 def test_a_dead_child_interrupts_the_block_with_its_name():
     blocked = threading.Event()
-    with pytest.raises(ServiceFailed, match="data-loader-0 exited with code 3"):
-        with PersiaServiceCtx(data_loader_func=_crash, embedding_config=EMBEDDING_CONFIG):
+    with pytest.raises(ServiceFailed, match="nn-worker-0 exited with code 3"):
+        with PersiaServiceCtx(data_loader_func=_data_loader, nn_worker_func=_crash_as_rank_0,
+                              embedding_config=EMBEDDING_CONFIG):
             blocked.wait(120)  # what a training loop waiting for batches does; the helper wakes it
 
 
