@@ -18,6 +18,7 @@ from .conditions import parse_time
 from .job import JobStatus, PersiaJob
 from . import naming
 from .render import render, render_auth_secret
+from .serving import SERVING_ROLES
 from .spec import JobMeta, SpecError, parse_spec
 
 
@@ -60,7 +61,7 @@ def _cleanup(policy: str, children: Children) -> list[Action]:
         return []
     actions: list[Action] = []
     for (kind, name), w in sorted(children.workloads.items()):
-        if w.deleting:
+        if w.deleting or w.role in SERVING_ROLES:  # serving outlives the training that fed it
             continue
         finished = kind == "Job" and (w.complete or w.job_failed)
         if policy == "All" or not finished:

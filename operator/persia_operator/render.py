@@ -553,4 +553,6 @@ def render(job: PersiaJob) -> list[dict[str, Any]]:
     children += render_pod_group(job)
     for role in C.TRAINING_ROLES:
         children += render_role(job, role)
-    return children
+    from .serving import render_serving  # late: serving builds on this module's helpers
+
+    return children + render_serving(job)

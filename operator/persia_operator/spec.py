@@ -498,6 +498,33 @@ _SPEC_RULES = [
 ]
 
 
+class ServingSpec(_Model):
+    """Serving the job's model (docs/serving.md): inference PS replicas (a StatefulSet: each
+    replica owns its shard of the rows, so it needs its index), inference embedding workers and
+    model servers (Deployments with readiness probes), and a Service for predictions. Kept across
+    training restarts; rendered by ``persia_operator.serving``."""
+
+    model: str = Field(
+        min_length=1,
+        description=(
+            "jit_dense.pt, or a checkpoint directory (the newest complete ckpt-*/jit_dense.pt is "
+            "served and reloaded when a newer one appears), as the model server pods see it."
+        ),
+    )
+    embedding_checkpoint: str | None = Field(
+        None,
+        description=(
+            "Checkpoint the inference PS loads at start; unset: it starts empty and takes rows "
+            "from incremental packets (online training with enable_incremental_update)."
+        ),
+    )
+    embedding_parameter_server: RoleSpec
+    embedding_worker: RoleSpec
+    model_server: RoleSpec
+    max_batch_size: int = Field(512, ge=1, le=65535, description="Samples per model call.")
+    max_latency_ms: float = Field(5.0, ge=0, le=10000, description="Batching wait of a request.")
+
+
 class PersiaJobSpec(_Model):
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _SPEC_RULES})
 
@@ -540,6 +567,7 @@ class PersiaJobSpec(_Model):
     configs: Configs | None = None
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     checkpoint: CheckpointSpec | None = None
+    serving: ServingSpec | None = Field(None, description="Serve the model as it trains (docs/serving.md).")
     failure_policy: FailurePolicy = Field(default_factory=FailurePolicy)
     grpc_tls: SecretRef | None = Field(
         None,
