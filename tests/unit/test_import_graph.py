@@ -7,6 +7,7 @@ Built from the source with ``ast`` (every import statement, including ones insid
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "runtime" / "persia"
@@ -64,6 +65,7 @@ def extension_modules() -> set[str]:
     return {module_name(p.with_name(p.name.split(".")[0] + ".py")) for p in ROOT.rglob("*.c")}
 
 
+@functools.lru_cache(maxsize=1)
 def graph() -> dict[str, set[str]]:
     mods = modules()
     known = set(mods) | extension_modules()
