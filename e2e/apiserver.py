@@ -14,7 +14,7 @@ how); `ApiServer` serves the Kubernetes paths itself on top of KMock's store:
   `timeoutSeconds`, Table events for `kubectl get -w`;
 - uid, resourceVersion (one global counter), generation (bumped on spec changes),
   creationTimestamp, `generateName`, cluster-scoped objects (Namespaces);
-- PATCH (merge, strategic-merge treated as merge, JSON patch), PUT (with optimistic
+- PATCH (merge, strategic merge by patchMergeKey, see strategic.py, JSON patch), PUT (with optimistic
   concurrency on resourceVersion), the status subresource (status writes only there),
   finalizers and deletionTimestamp, graceful pod deletion (the kubelet finalizes),
   owner-reference garbage collection (background; orphan honoured);
@@ -24,8 +24,8 @@ how); `ApiServer` serves the Kubernetes paths itself on top of KMock's store:
 
 What a real API server does that this does not: authentication, authorization (RBAC
 objects are stored, never enforced), admission (no defaulting, no schema or CEL
-validation of CRs, no quota), server-side apply, strategic merge semantics for lists
-(lists are replaced), foreground deletion (treated as background), namespace deletion
+validation of CRs, no quota), server-side apply, strategic merge beyond the common
+merge keys (strategic.py), foreground deletion (treated as background), namespace deletion
 cascade, field-selector restrictions, watch bookmarks, protobuf, aggregated discovery.
 """
 
@@ -50,6 +50,7 @@ from kmock._internal import rendering
 
 from . import kmock_patches  # noqa: F401  (KMock 0.8 crashes on /api/v1/namespaces without it)
 
+from .strategic import strategic_merge
 from .selectors import parse_field_selector, parse_label_selector
 from .tables import table
 
@@ -306,10 +307,16 @@ class ApiServer(kmock.KubernetesEmulator):
         try:
             if "json-patch" in content_type:
                 new = jsonpatch.apply_patch(old, patch, in_place=False)
-            elif "merge-patch" in content_type or "strategic" in content_type:
+            elif "strategic" in content_type:
+                if not isinstance(patch, dict):
+                    raise ApiError(400, "BadRequest", "a strategic merge patch must be a JSON object")
+                if t.printer_columns is not None:  # custom resources have no strategic merge
+                    raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not supported for custom resources")
+                new = strategic_merge(old, patch)
+            elif "merge-patch" in content_type:
                 if not isinstance(patch, dict):
                     raise ApiError(400, "BadRequest", "a merge patch must be a JSON object")
-                new = kmock_dicts.merge_patch_dict(old, _strip_directives(patch))
+                new = kmock_dicts.merge_patch_dict(old, patch)
             else:
                 raise ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json (got {content_type!r})")
         except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException, ValueError, TypeError) as err:
@@ -634,13 +641,3 @@ def parse_path(path: str) -> tuple[str, str, str, str | None, str | None, str | 
     name = rest[1] if len(rest) > 1 else None
     sub = "/".join(rest[2:]) or None
     return group, version, plural, ns, name, sub
-
-
-def _strip_directives(patch: dict[str, Any]) -> dict[str, Any]:
-    """Drop strategic-merge directives ($patch, $setElementOrder/…, $retainKeys)."""
-    out = {}
-    for k, v in patch.items():
-        if k.startswith("$"):
-            continue
-        out[k] = _strip_directives(v) if isinstance(v, dict) else v
-    return out

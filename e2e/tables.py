@@ -144,7 +144,20 @@ BUILTIN: dict[str, tuple[list[tuple[str, str, int, str]], Any]] = {
                         f"{(o.get('status') or {}).get('succeeded', 0)}/{(o.get('spec') or {}).get('completions', 1)}",
                         age(o, now)],
     ),
+    "Event": (
+        [("Last Seen", "string", 0, ""), ("Type", "string", 0, ""), ("Reason", "string", 0, ""),
+         ("Object", "string", 0, ""), ("Message", "string", 0, "")],
+        lambda o, now: [_since(o.get("lastTimestamp") or o.get("eventTime") or (o.get("metadata") or {}).get("creationTimestamp"), now),
+                        o.get("type", ""), o.get("reason", ""),
+                        f"{(o.get('involvedObject') or {}).get('kind', '').lower()}/{(o.get('involvedObject') or {}).get('name', '')}",
+                        o.get("message", "")],
+    ),
 }  # fmt: skip
+
+
+def _since(stamp: str | None, now: datetime | None) -> str:
+    t = parse_time(stamp or "")
+    return human_duration(((now or datetime.now(UTC)) - t).total_seconds()) if t else "<unknown>"
 
 
 def _job_status(job: Mapping[str, Any]) -> str:

@@ -113,6 +113,11 @@ def test_kubelet_runs_readiness_restarts_jobs_and_deletes(cluster):
     last = json.loads(cluster.kubectl("get", "pod", "web-0", "-o", "jsonpath={.status.containerStatuses[0].lastState}"))
     assert last["terminated"]["exitCode"] == 137
     wait_until(lambda: cluster.kubectl("get", "sts", "web", "--no-headers").split()[1] == "1/1", 30, "web ready again")
+    # `kubectl apply` of a changed StatefulSet (a strategic merge patch) keeps the container.
+    sts["spec"]["template"]["spec"]["containers"][0]["env"].append({"name": "EXTRA", "value": "1"})
+    assert "configured" in apply(cluster, sts)
+    container = json.loads(cluster.kubectl("get", "sts", "web", "-o", "jsonpath={.spec.template.spec.containers[0]}"))
+    assert container["image"] == IMAGE and container["command"][0] == "python" and len(container["env"]) == 2
     # Deleting the StatefulSet garbage-collects its pod; the kubelet ends the process.
     cluster.kubectl("delete", "sts", "web", "--timeout=30s")
     wait_until(lambda: cluster.kubectl("get", "pods", "-l", "app=web", "-o", "name") == "", 30, "the pod to go")

@@ -11,6 +11,7 @@ import pytest
 from e2e import controllers
 from e2e.apiserver import parse_path
 from e2e.podenv import ConfigError, Rewriter, argv, dns_names, expand, resolve_env
+from e2e.strategic import strategic_merge
 from e2e.selectors import parse_field_selector, parse_label_selector, selector_from_match
 from e2e.tables import human_duration, jsonpath, table
 
@@ -151,3 +152,21 @@ def test_deployment_plan_replaces_pods_of_an_old_template():
     old["metadata"]["labels"]["pod-template-hash"] = "old"
     plan = controllers.plan_deployment(dep, [old])
     assert plan.delete == ["w-old"] and plan.create == []  # Recreate: the old pod goes first
+
+
+def test_strategic_merge_keeps_what_kubectl_apply_leaves_out():
+    live = {"metadata": {"finalizers": ["a"]}, "spec": {"template": {"spec": {"containers": [
+        {"name": "op", "image": "i", "command": ["run"], "args": ["--interval", "2"],
+         "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]},
+        {"name": "side", "image": "s"}]}}}}  # fmt: skip
+    patch = {"metadata": {"finalizers": ["b"], "$deleteFromPrimitiveList/finalizers": ["a"]},
+             "spec": {"template": {"spec": {
+                 "$setElementOrder/containers": [{"name": "op"}, {"name": "side"}],
+                 "containers": [{"name": "op", "args": ["--interval", "3"],
+                                 "env": [{"name": "A", "$patch": "delete"}, {"name": "C", "value": "3"}]}]}}}}  # fmt: skip
+    out = strategic_merge(live, patch)
+    op, side = out["spec"]["template"]["spec"]["containers"]
+    assert op["image"] == "i" and op["command"] == ["run"] and op["args"] == ["--interval", "3"]
+    assert op["env"] == [{"name": "B", "value": "2"}, {"name": "C", "value": "3"}]
+    assert side == {"name": "side", "image": "s"}
+    assert out["metadata"]["finalizers"] == ["b"]
