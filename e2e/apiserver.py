@@ -117,6 +117,7 @@ BUILTIN_TYPES = [
     _core("roles", "Role", True, group="rbac.authorization.k8s.io"),
     _core("rolebindings", "RoleBinding", True, group="rbac.authorization.k8s.io"),
     _core("leases", "Lease", True, group="coordination.k8s.io"),
+    _core("poddisruptionbudgets", "PodDisruptionBudget", True, ("pdb",), ("status",), group="policy"),
 ]
 
 

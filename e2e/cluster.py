@@ -130,13 +130,14 @@ def kubeconfig(server: str, namespace: str = "default") -> dict[str, Any]:
     }  # fmt: skip
 
 
-def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Poll `predicate` until it returns something truthy; fail naming `what` after `timeout`."""
+def wait_until(predicate: Callable[[], T], timeout: float, what: str | Callable[[], str], interval: float = 0.2) -> T:
+    """Poll `predicate` until it returns something truthy; fail naming `what` (a string,
+    or a function giving one at the time of failure) after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what if isinstance(what, str) else what()}")
         time.sleep(interval)

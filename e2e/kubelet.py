@@ -19,7 +19,8 @@ runAsUser and readOnlyRootFilesystem are ignored), image pulls, init and sidecar
 containers, liveness and startup probes, exec probes (taken as passing), lifecycle hooks
 (preStop is not run), the CrashLoopBackOff delays (here 1 s doubling to 10 s), volumes
 other than configMap, secret, emptyDir, hostPath, downwardAPI and persistentVolumeClaim
-(a directory per claim), Service load balancing (a Service name resolves to its first
+(a directory per claim; a pod waits until its claim exists, binding and capacity
+are not modelled), Service load balancing (a Service name resolves to its first
 endpoint pod, when the container starts), DNS for names not written in args, env or
 mounted files, node pressure and eviction, Events.
 """
@@ -168,6 +169,11 @@ class Kubelet:
             return [(rt.namespace, rt.name, c.proc.pid) for rt in self.pods.values() for c in rt.containers
                     if c.proc is not None and c.proc.poll() is None]  # fmt: skip
 
+    def pvc_dir(self, namespace: str, claim: str) -> Path:
+        """The directory that stands for a PersistentVolumeClaim (shared by every pod, as
+        a ReadWriteMany volume would be)."""
+        return self.workdir / "pvc" / namespace / claim
+
     def live_groups(self, namespace: str, pod_prefix: str) -> list[tuple[str, int]]:
         """Process groups ever started for pods named `pod_prefix`* that still have a
         process (the container's children included), checked with signal 0."""
@@ -212,7 +218,8 @@ class Kubelet:
         def snap() -> dict[str, list[dict[str, Any]]]:
             kinds = {"pods": ("", "pods"), "services": ("", "services"), "configmaps": ("", "configmaps"),
                      "secrets": ("", "secrets"), "statefulsets": ("apps", "statefulsets"),
-                     "deployments": ("apps", "deployments"), "jobs": ("batch", "jobs")}  # fmt: skip
+                     "deployments": ("apps", "deployments"), "jobs": ("batch", "jobs"),
+                     "persistentvolumeclaims": ("", "persistentvolumeclaims")}  # fmt: skip
             return {k: api.list(api.type_of(g, "v1", p)) for k, (g, p) in kinds.items()}
 
         return self.cluster.call(snap)
@@ -334,7 +341,8 @@ class Kubelet:
         self._resolve_dns(rewriter, ns, snap, dns_texts, time.monotonic() - rt.waiting_since)
         rt.dir.mkdir(parents=True, exist_ok=True)
         (rt.dir / "home").mkdir(exist_ok=True)
-        volumes = self._volumes(pod, rt, configmaps, secrets)
+        claims = {o["metadata"]["name"] for o in snap["persistentvolumeclaims"] if o["metadata"]["namespace"] == ns}
+        volumes = self._volumes(pod, rt, configmaps, secrets, claims)
         rt.containers = []
         for spec, image in zip(pod["spec"]["containers"], images):
             paths = dict(image.paths)
@@ -417,7 +425,8 @@ class Kubelet:
                 self.ports[key] = candidate
             return self.ports[key]
 
-    def _volumes(self, pod: dict[str, Any], rt: PodRuntime, configmaps: dict[str, Any], secrets: dict[str, Any]) -> dict[str, Path]:
+    def _volumes(self, pod: dict[str, Any], rt: PodRuntime, configmaps: dict[str, Any], secrets: dict[str, Any],
+                 claims: set[str]) -> dict[str, Path]:  # fmt: skip
         out: dict[str, Path] = {}
         for vol in pod["spec"].get("volumes") or []:
             name = vol["name"]
@@ -447,7 +456,10 @@ class Kubelet:
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_text(data[item["key"]])
             elif "persistentVolumeClaim" in vol:
-                path = self.workdir / "pvc" / rt.namespace / vol["persistentVolumeClaim"]["claimName"]
+                claim = vol["persistentVolumeClaim"]["claimName"]
+                if claim not in claims:
+                    raise _NotYet(f'persistentvolumeclaim "{claim}" not found')
+                path = self.pvc_dir(rt.namespace, claim)
                 path.mkdir(parents=True, exist_ok=True)
             elif "hostPath" in vol:
                 path = Path(vol["hostPath"]["path"])

@@ -6,8 +6,10 @@ scenario can show the printer columns moving (Pending -> Running -> Succeeded).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "adult-income" / "persiajob.yaml"
 SEED = REPO / "examples" / "k8s" / "adult-income.train.yaml"
 EXTERNAL_NATS = Path(__file__).resolve().parent / "manifests" / "persia-nats.yaml"
+CHECKPOINT_PVC = Path(__file__).resolve().parent / "manifests" / "checkpoint-pvc.yaml"
 AUC = re.compile(r"test AUC ([0-9.]+)")
 
 
@@ -49,8 +52,8 @@ class PjWatch:
 
     def until(self, phases: tuple[str, ...], timeout: float) -> str:
         """Poll until the Phase column is one of `phases`; return that line."""
-        wait_until(lambda: self.phase() in phases, timeout, f"PersiaJob {self.name} to reach {phases} "
-                   f"(lines so far: {self.lines})", interval=1.0)  # fmt: skip
+        wait_until(lambda: self.phase() in phases, timeout,
+                   lambda: f"PersiaJob {self.name} to reach {phases} (lines seen: {self.lines})", interval=1.0)
         return self.lines[-1]
 
 
@@ -106,3 +109,15 @@ def timed(fn):  # type: ignore[no-untyped-def]
     start = time.monotonic()
     result = fn()
     return result, time.monotonic() - start
+
+
+@contextlib.contextmanager
+def cleanup(cluster: Cluster, *names: str, namespace: str = "default") -> Iterator[None]:
+    """Delete these PersiaJobs afterwards, passed or failed, and wait until their pods
+    and processes are gone, so that one failed scenario does not fail the next."""
+    try:
+        yield
+    finally:
+        for name in names:
+            cluster.kubectl("delete", "pj", name, "-n", namespace, "--ignore-not-found", "--timeout=180s", check=False)
+            wait_gone(cluster, name, (name,), 120, namespace)
