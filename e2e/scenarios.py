@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -119,5 +120,21 @@ def cleanup(cluster: Cluster, *names: str, namespace: str = "default") -> Iterat
         yield
     finally:
         for name in names:
-            cluster.kubectl("delete", "pj", name, "-n", namespace, "--ignore-not-found", "--timeout=180s", check=False)
+            delete_job(cluster, name, namespace)
             wait_gone(cluster, name, (name,), 120, namespace)
+
+
+def delete_job(cluster: Cluster, name: str, namespace: str = "default", timeout: int = 180) -> None:
+    """`kubectl delete pj` (which waits until the object is gone); on failure the error
+    carries the job and the operator's log, to tell a stuck finalizer from a slow one."""
+    try:
+        cluster.kubectl("delete", "pj", name, "-n", namespace, "--ignore-not-found", f"--timeout={timeout}s",
+                        timeout=timeout + 30)  # fmt: skip
+    except (KubectlError, subprocess.TimeoutExpired) as err:
+        raise AssertionError(f"deleting PersiaJob {namespace}/{name} failed: {err}\n{diagnostics(cluster, name, namespace)}") from err
+
+
+def diagnostics(cluster: Cluster, name: str, namespace: str = "default") -> str:
+    job = cluster.kubectl("get", "pj", name, "-n", namespace, "-o", "yaml", check=False)
+    log = cluster.kubectl("logs", "-n", "persia-system", "deploy/persia-persia-operator", "--tail=80", check=False)
+    return f"--- the job:\n{job[:3000]}\n--- the operator's log:\n{log}"

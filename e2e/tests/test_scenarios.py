@@ -26,6 +26,7 @@ from e2e.scenarios import (
     SEED,
     PjWatch,
     cleanup,
+    delete_job,
     example_manifest,
     nn_log,
     pods_of,
@@ -168,7 +169,7 @@ def _lifecycle(cluster, record):
     assert any(line.split()[:2] == ["Warning", "InvalidSpec"] and "nnWorker.replicas" in line
                for line in events.splitlines()), described  # kopf's events, posted with generateName
     assert pods_of(cluster, bad) == []
-    cluster.kubectl("delete", "pj", bad, "--timeout=60s")
+    delete_job(cluster, bad)
     invalid_line = wide
 
     # Suspend -> every pod and process gone -> resume -> trains.
@@ -188,7 +189,7 @@ def _lifecycle(cluster, record):
     # Delete while training: the finalizer is released and every process ends.
     finalizers = cluster.kubectl("get", "pj", name, "-o", "jsonpath={.metadata.finalizers}")
     assert "persia.com/finalizer" in finalizers, finalizers
-    cluster.kubectl("delete", "pj", name, "--timeout=120s")  # waits until the object is gone
+    delete_job(cluster, name)  # kubectl delete waits until the object is gone
     with pytest.raises(KubectlError, match="NotFound"):
         cluster.kubectl("get", "pj", name)
     wait_gone(cluster, name, (name,), 90)

@@ -92,8 +92,11 @@ def test_kubelet_runs_readiness_restarts_jobs_and_deletes(cluster):
                         "readinessProbe": {"httpGet": {"path": "/", "port": "http"}, "periodSeconds": 1}}]}}}}  # fmt: skip
     svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
            "spec": {"selector": labels, "ports": [{"port": 80, "targetPort": "http"}]}}  # fmt: skip
+    # The URL in env is rewritten when the container starts; the one built at run time
+    # ("web" + ".default" + ":80") is resolved by the DNS shim when it is used.
     client = ("import os, urllib.request; print('index', os.environ['JOB_COMPLETION_INDEX'], "
-              "urllib.request.urlopen(os.environ['URL']).status)")
+              "urllib.request.urlopen(os.environ['URL']).status, "
+              "urllib.request.urlopen('http://' + 'web' + '.default' + ':80/').status)")
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "client"},
            "spec": {"completionMode": "Indexed", "completions": 2, "parallelism": 2, "backoffLimit": 0,
                     "template": {"spec": {"restartPolicy": "Never", "containers": [{
@@ -105,7 +108,7 @@ def test_kubelet_runs_readiness_restarts_jobs_and_deletes(cluster):
     wait_until(lambda: "Complete" in cluster.kubectl("get", "job", "client", "--no-headers"), 60, "the Job to complete")
     logs = [cluster.kubectl("logs", p.split("/")[1]) for p in cluster.kubectl("get", "pods", "-l", "job-name=client",
                                                                               "-o", "name").split()]  # fmt: skip
-    assert sorted(logs) == ["index 0 200\n", "index 1 200\n"]  # through the Service name, to the web pod
+    assert sorted(logs) == ["index 0 200 200\n", "index 1 200 200\n"]  # through the Service name, to the web pod
     # SIGKILL: the kubelet restarts the container and reports the kill.
     os.kill(cluster.kubelet.pid_of("default", "web-0"), signal.SIGKILL)
     wait_until(lambda: cluster.kubectl("get", "pod", "web-0", "-o", "jsonpath={.status.containerStatuses[0].restartCount}")
