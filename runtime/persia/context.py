@@ -70,7 +70,7 @@ class BaseCtx:
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
+        if exc_type is not None and not issubclass(exc_type, SystemExit):  # SIGTERM's GracefulStop is not an error
             log.error("leaving %s with an exception:\n%s", type(self).__name__,
                       "".join(traceback.format_exception(exc_type, exc, tb)))
         try:
