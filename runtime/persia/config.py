@@ -343,8 +343,27 @@ class InferConfig(_Section):
     embedding_checkpoint: Optional[str] = None
 
 
+def _check_resume(value: Any) -> Any:
+    if value is None:
+        return "auto"
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"expected 'auto', 'never' or a checkpoint path, got {value!r}")
+    return value
+
+
 class CheckpointingConfig(_Section):
+    """Checkpoint I/O threads, and periodic checkpoints with resume (docs/configuration.md).
+
+    ``checkpoint_dir`` unset: no periodic checkpoints and nothing to resume from (explicit
+    ``dump_checkpoint`` calls still work). The ``PERSIA_CHECKPOINT_*`` / ``PERSIA_RESUME`` env
+    variables override these keys (``persia.nn_worker.checkpoint_plan.settings_from``)."""
+
     num_workers: PositiveInt = 4
+    checkpoint_dir: Optional[str] = None
+    interval_steps: Optional[PositiveInt] = None
+    interval_seconds: Optional[Annotated[float, Field(gt=0)]] = None
+    keep: PositiveInt = 3
+    resume: Annotated[str, BeforeValidator(_check_resume)] = "auto"
 
 
 class MetricsConfig(_Section):

@@ -173,6 +173,7 @@ class GrpcTls:
 # -- signed control messages ----------------------------------------------------------------------
 SIGNED_METHODS = frozenset({
     ("ps", "clear"), ("ps", "dump"), ("ps", "load"), ("ps", "configure"), ("ps", "register_optimizer"),
+    ("ps", "stage"), ("ps", "commit"), ("ps", "abort"),
     ("nn", "eos"), ("nn", "batch"),
 })
 """Controls that destroy state, write files, end training or feed it: signed when a job secret is

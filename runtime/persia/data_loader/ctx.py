@@ -9,10 +9,29 @@ from persia import env
 from persia.bus import NatsBus, shared_bus, subject
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
+from persia.data_loader.resume import StreamPosition, position_from_info
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.errors import PersiaError
 
 log = logging.getLogger(__name__)
+
+
+_positions: dict[tuple, StreamPosition | None] = {}
+
+
+def _process_position(resume: dict | None, loader_index: int, world_size: int) -> StreamPosition | None:
+    """One position per checkpoint per process: a second ``DataCtx`` in the same process (the next
+    epoch) continues where the first stopped skipping instead of skipping again."""
+    key = (None if not resume else (resume.get("path"), resume.get("step")), loader_index)
+    if key not in _positions:
+        position, warning = position_from_info(resume, loader_index, world_size)
+        if warning:
+            log.warning("%s", warning)
+        elif position is not None and position.total:
+            log.info("data loader %d resumes after step %s of %s: skipping %d batches already trained",
+                     loader_index, position.step, position.path, position.total)
+        _positions[key] = position
+    return _positions[key]
 
 
 class DataCtx(BaseCtx):
@@ -38,6 +57,8 @@ class DataCtx(BaseCtx):
         nn = self.bus.request_retry(subject("nn", "info"), None, deadline_s=discovery_deadline_s, timeout=2.0,
                                     what="waiting for NN workers")
         self.world_size = int(nn["world_size"])
+        self.resume_position = _process_position(nn.get("resume"), self.replica_index, self.world_size)
+        self.skipped = 0
         self._counter = 0
         # Batch ids restart at 0 in every DataCtx (a second epoch, a restarted loader): the session
         # keeps the worker from taking a new batch for a retry of an old one with the same id.
@@ -57,6 +78,12 @@ class DataCtx(BaseCtx):
         batch_id = self._counter * self.replica_size + self.replica_index
         worker = (self._counter + self.replica_index) % self.num_embedding_workers
         rank = batch_id % self.world_size
+        if self.resume_position is not None and self.resume_position.skip(rank):
+            # trained before the restart (the checkpoint's position): keep its batch id, send nothing
+            persia_batch.batch_id = batch_id
+            self._counter += 1
+            self.skipped += 1
+            return
         ref = self.bus.request_retry(
             subject("ew", "forward", worker),
             {
@@ -93,6 +120,12 @@ class DataCtx(BaseCtx):
     def sent(self) -> int:
         return self._counter
 
+    @property
+    def start_batch(self) -> int:
+        """How many batches of this loader's stream were trained before a restart (0 on a fresh
+        job). ``send_data`` skips them by itself; a loader that can seek may skip them instead."""
+        return self.resume_position.total if self.resume_position is not None else 0
+
     def close(self, failure: str | None = None) -> None:
         if self._closed:
             return
@@ -105,7 +138,8 @@ class DataCtx(BaseCtx):
                 deadline_s=self.send_deadline_s,
                 what=f"end-of-stream to NN rank {rank}",
             )
-        log.info("data loader %d sent %d batches", self.replica_index, self._counter)
+        log.info("data loader %d sent %d batches%s", self.replica_index, self._counter - self.skipped,
+                 f" (skipped {self.skipped} trained before the restart)" if self.skipped else "")
 
     def _exit(self, exc: BaseException | None) -> None:
         self.close(None if exc is None else f"{type(exc).__name__}: {exc}")

@@ -101,6 +101,9 @@ class EmbeddingParameterServer:
         bus.serve(subject("ps", "register_optimizer", i), self.register_optimizer, schema=M.RegisterOptimizer)
         bus.serve(subject("ps", "dump", i), self.dump, schema=M.CheckpointDir)
         bus.serve(subject("ps", "load", i), self.load, schema=M.CheckpointDir)
+        bus.serve(subject("ps", "stage", i), self.stage, schema=M.CheckpointDir)
+        bus.serve(subject("ps", "commit", i), self.commit, schema=none)
+        bus.serve(subject("ps", "abort", i), self.abort, schema=none)
         bus.serve(subject("ps", "status", i), lambda _o: self.status(), blocking=False, schema=none)
         bus.serve(subject("ps", "stats", i), lambda _o: self.stats(), schema=none)
         bus.serve(subject("ps", "clear", i), self.clear, schema=none)
@@ -141,7 +144,7 @@ class EmbeddingParameterServer:
 
     def _checkpoint_path(self, path: str) -> Path:
         """Paths sent over NATS must lie under the checkpoint root (persia.security)."""
-        configured = getattr(self.global_config.common_config.checkpointing_config, "checkpoint_dir", None)
+        configured = self.global_config.common_config.checkpointing_config.checkpoint_dir
         return check_under_root(path, checkpoint_root(config_dir=configured))
 
     def dump(self, req: dict) -> dict:
@@ -154,6 +157,28 @@ class EmbeddingParameterServer:
 
     def load(self, req: dict) -> dict:
         return self._load_dir(self._checkpoint_path(req["dir"]))
+
+    def stage(self, req: dict) -> dict:
+        """Validate a checkpoint and build its tables beside the live ones; ``commit`` swaps them in.
+        The trainer commits only once every replica staged (all-or-nothing across replicas)."""
+        directory = self._checkpoint_path(req["dir"])
+        log.info("PS %d: staging %s", self.replica_index, directory)
+        staged = {}
+        out = self._run_status("staging", lambda: staged.setdefault(
+            "rows", self.store.stage(directory, self.replica_index, self.replica_size, self.num_workers)))
+        out["staged_rows"] = staged["rows"]
+        return out
+
+    def commit(self, _req: Any) -> dict:
+        rows = self.store.commit_staged()
+        log.info("PS %d: committed the staged checkpoint (%d rows)", self.replica_index, rows)
+        return {"done": True, "rows": rows}
+
+    def abort(self, _req: Any) -> dict:
+        dropped = self.store.discard_staged()
+        if dropped:
+            log.info("PS %d: dropped the staged checkpoint", self.replica_index)
+        return {"dropped": dropped}
 
     def _load_dir(self, directory: Path) -> dict:
         log.info("PS %d: loading from %s", self.replica_index, directory)

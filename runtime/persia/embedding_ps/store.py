@@ -133,6 +133,7 @@ class EmbeddingStore:
         self._stats: Counter = Counter()
         self._stats_lock = threading.Lock()
         self._listeners: list[Callable[[int, np.ndarray], None]] = []
+        self._staged: tuple[dict, int] | None = None  # a checkpoint staged for commit (stage/commit_staged)
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -605,8 +606,17 @@ class EmbeddingStore:
         ``shard_of(sign, replica_size)``). Every file is validated, and the new tables are built
         beside the current ones, before anything changes: a refused checkpoint leaves the store as
         it was. Peak memory is the current tables plus the new ones."""
+        self.stage(directory, replica_index, replica_size, num_workers)
+        self.commit_staged()
+
+    def stage(self, directory: str | Path, replica_index: int, replica_size: int, num_workers: int = 4) -> int:
+        """First half of ``load``: validate the checkpoint and build its tables beside the live
+        ones (nothing live changes); returns the staged rows. ``commit_staged`` swaps them in,
+        ``discard_staged`` drops them: the trainer stages on every replica, then commits on every
+        replica only when all staged (all-or-nothing across replicas)."""
         if not 0 <= int(replica_index) < int(replica_size):
             raise ValueError(f"replica_index {replica_index} is not in [0, replica_size={replica_size})")
+        self.discard_staged()
         files = ckpt.open_checkpoint(Path(directory), int(replica_index), int(replica_size), int(num_workers))
         try:
             total = sum(f.rows for f in files)
@@ -619,9 +629,24 @@ class EmbeddingStore:
         finally:
             for f in files:
                 f.close()
+        self._staged = (tables, total)
+        return total
+
+    def commit_staged(self) -> int:
+        """Swap the staged tables in; returns their rows. Without a staged checkpoint: an error."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            raise RuntimeError("no staged checkpoint to commit (stage it first)")
+        tables, total = staged
         with write_all(self._locks):
             self._tables = tables
         self._count(loaded_rows=total)
+        return total
+
+    def discard_staged(self) -> bool:
+        """Drop a staged checkpoint (if any); the live rows are untouched."""
+        had, self._staged = self._staged is not None, None
+        return had
 
     def _build_tables(self, files: list, num_workers: int) -> dict[int, DimTable]:
         stamp = self._tick()

@@ -7,9 +7,13 @@ import datetime as _dt
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
+
+from persia.bus import subject
 
 EMBEDDING_DUMP_DONE = "embedding_dump_done"
 CHECKPOINT_FORMAT = "persia-k8s-checkpoint/1"
@@ -48,7 +52,29 @@ class EmbeddingCheckpoints:
         self._run_maybe_async(run, blocking, "dump")
 
     def load_embedding(self, src_dir: str, blocking: bool = True) -> None:
-        directory = self._local_dir(src_dir)
+        """Load every PS replica's rows, all or nothing (see ``_load_all_or_nothing``)."""
+        self._load_all_or_nothing(self._local_dir(src_dir), [], blocking)
+
+    def _ps_each(self, method: str, payload: Any, timeout: float = 3600.0) -> list[Any]:
+        """``method`` on every PS replica; every answer or exception, in replica order (waits for all)."""
+        n = self._ps_count()
+        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+            futs = [pool.submit(self.bus.request_retry, subject("ps", method, i), payload, deadline_s=timeout,
+                                timeout=timeout, retry_busy=True, what=f"PS {i} {method}") for i in range(n)]
+            out = []
+            for f in futs:
+                try:
+                    out.append(f.result())
+                except Exception as exc:  # noqa: BLE001 - returned to the caller, which raises
+                    out.append(exc)
+            return out
+
+    def _load_all_or_nothing(self, directory: Path, apply_dense: list[Callable[[], None]], blocking: bool) -> None:
+        """Stage the embeddings on every PS replica (each validates its files and builds its tables
+        beside the live ones); if any replica refuses, every replica drops its staged tables and
+        nothing live has changed. Then the dense parts (already validated) are applied and every
+        replica commits (a swap). Replaces PERSIA's load, where a refusing replica left the others,
+        and the dense model, switched."""
         marker = directory / EMBEDDING_DUMP_DONE
         if not marker.exists():
             raise FileNotFoundError(
@@ -56,7 +82,24 @@ class EmbeddingCheckpoints:
             )
 
         def run():
-            self._ps_all("load", {"dir": str(directory.resolve())})
+            staged = self._ps_each("stage", {"dir": str(directory.resolve())})
+            failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
+            if failed:
+                self._ps_each("abort", None, timeout=60)
+                i, err = failed[0]
+                raise CheckpointLoadError(f"{directory}: PS replica {i} refused the checkpoint ({err}); "
+                                          f"nothing was loaded ({len(failed)} of {len(staged)} replicas refused)") from err
+            try:
+                for fn in apply_dense:
+                    fn()
+            except BaseException:
+                self._ps_each("abort", None, timeout=60)
+                raise
+            committed = self._ps_each("commit", None, timeout=600)
+            bad = [(i, r) for i, r in enumerate(committed) if isinstance(r, BaseException)]
+            if bad:  # only a replica that died between stage and commit: the job must restart
+                raise CheckpointLoadError(f"{directory}: PS replica {bad[0][0]} could not commit the staged "
+                                          f"checkpoint ({bad[0][1]}); restart the job") from bad[0][1]
 
         self._run_maybe_async(run, blocking, "load")
 
@@ -107,14 +150,20 @@ class EmbeddingCheckpoints:
                 torch.jit.save(torch.jit.script(dense), str(directory / jit_dense_filename))
         self.dump_embedding(str(directory), blocking)
 
+    def _dense_loader(self, directory: Path, dense_filename: str, map_location) -> list[Callable[[], None]]:
+        """Read and validate the dense model file; returns what applies it (nothing live changes here)."""
+        dense_path = directory / dense_filename
+        if self.model is None or not dense_path.exists():
+            return []
+        module = self._dense_module()
+        state = torch.load(dense_path, map_location=map_location or self.device, weights_only=True)
+        check_state_dict(module.state_dict(), state, dense_path)
+        return [lambda: module.load_state_dict(state)]
+
     def load_checkpoint(self, src_dir: str, map_location: str | None = None,
                         dense_filename: str = "dense.pt", blocking: bool = True) -> None:
         directory = self._local_dir(src_dir)
-        dense_path = directory / dense_filename
-        if self.model is not None and dense_path.exists():
-            state = torch.load(dense_path, map_location=map_location or self.device, weights_only=True)
-            self._dense_module().load_state_dict(state)
-        self.load_embedding(str(directory), blocking)
+        self._load_all_or_nothing(directory, self._dense_loader(directory, dense_filename, map_location), blocking)
 
     def dump_torch_state_dict(self, torch_instance, dst_dir: str, file_name: str, is_jit: bool = False) -> None:
         """PERSIA's: ``dst_dir/file_name`` gets the module's (or optimizer's) state dict, or with
@@ -135,3 +184,30 @@ class EmbeddingCheckpoints:
         pickled code is loaded)."""
         state = torch.load(self._local_dir(src_dir), map_location=map_location or self.device, weights_only=True)
         torch_instance.load_state_dict(state)
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint that was not loaded; nothing live changed (unless the message says restart)."""
+
+
+def check_state_dict(current: dict, loaded: Any, path: Path) -> None:
+    """The loaded state dict has the model's keys with the same shapes (before anything is loaded)."""
+    if not isinstance(loaded, dict):
+        raise CheckpointLoadError(f"{path}: not a state dict ({type(loaded).__name__})")
+    missing, extra = sorted(set(current) - set(loaded)), sorted(set(loaded) - set(current))
+    if missing or extra:
+        raise CheckpointLoadError(f"{path}: does not match the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for key, value in current.items():
+        got = loaded[key]
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(value.shape):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise CheckpointLoadError(f"{path}: {key} has shape {shape}, the model's is {tuple(value.shape)}")
+
+
+def check_optimizer_state(optimizer: torch.optim.Optimizer, loaded: Any, path: Path) -> None:
+    """The loaded optimizer state has the optimizer's parameter groups (before anything is loaded)."""
+    if not isinstance(loaded, dict) or not isinstance(loaded.get("param_groups"), list):
+        raise CheckpointLoadError(f"{path}: not an optimizer state dict")
+    mine = [len(g["params"]) for g in optimizer.param_groups]
+    theirs = [len(g.get("params", ())) for g in loaded["param_groups"]]
+    if mine != theirs:
+        raise CheckpointLoadError(f"{path}: parameter groups of sizes {theirs}, the optimizer has {mine}")

@@ -104,9 +104,13 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         if self.bus is None:
             self.bus = shared_bus()
         if self._nn_info_sub is None:
-            self._nn_info_sub = self.bus.serve(subject("nn", "info"), lambda _o: {"world_size": self.world_size},
+            self._nn_info_sub = self.bus.serve(subject("nn", "info"), self._info,
                                                queue="nn", blocking=False, schema=NoPayload)
             self.bus.flush()
+
+    def _info(self, _req) -> dict:
+        """``nn.info``: what a data loader needs (TrainCtx adds where to resume its stream)."""
+        return {"world_size": self.world_size}
 
     def _stream_clients(self) -> list[Client]:
         """Embedding-worker clients indexed as data loaders index them (by replica index)."""
@@ -157,6 +161,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             batch_id=int(msg["batch_id"]),
             ref=int(msg["ref"]),
             worker=worker,
+            loader=int(msg["loader"]) if msg.get("loader") is not None else None,
             requires_grad=bool(msg.get("requires_grad", True)) and self.is_training,
             holds_permit=holds_permit,
         )

@@ -21,6 +21,9 @@ from persia.nn_worker.embedding_ctx import (
     register_optimizer_on_all_ps,
 )
 from persia.nn_worker.progress import TrainingProgress
+from persia.nn_worker import checkpoint_plan
+from persia.nn_worker.checkpoint import check_optimizer_state
+from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -29,8 +32,16 @@ from persia.utils import advertise_host, find_free_port
 log = logging.getLogger(__name__)
 
 
-class TrainCtx(EmbeddingCtx):
-    """Hybrid training: dense parameters synchronously (DDP), embeddings asynchronously."""
+class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
+    """Hybrid training: dense parameters synchronously (DDP), embeddings asynchronously.
+
+    Periodic checkpoints and resume (docs/reliability.md): ``checkpoint_dir``,
+    ``checkpoint_interval_steps``, ``checkpoint_interval_seconds``, ``checkpoint_keep`` and
+    ``resume`` ("auto", "never" or a checkpoint path) override ``checkpointing_config`` and the
+    ``PERSIA_CHECKPOINT_*``/``PERSIA_RESUME`` env variables. After entering, ``ctx.resumed_from``
+    is the checkpoint loaded (or None) and ``ctx.start_step`` its step; ``ctx.step`` counts steps
+    over the whole job.
+    """
 
     is_training = True
 
@@ -46,9 +57,17 @@ class TrainCtx(EmbeddingCtx):
         mixed_precision: bool = True,
         distributed_option=None,
         *args,
+        checkpoint_dir: str | None = None,
+        checkpoint_interval_steps: int | None = None,
+        checkpoint_interval_seconds: float | None = None,
+        checkpoint_keep: int | None = None,
+        resume: str | None = None,
         **kwargs,
     ):
         super().__init__(PreprocessMode.TRAIN, *args, **kwargs)
+        self._init_checkpointing(checkpoint_plan.settings_from(
+            _checkpointing_config(), checkpoint_dir=checkpoint_dir, interval_steps=checkpoint_interval_steps,
+            interval_seconds=checkpoint_interval_seconds, keep=checkpoint_keep, resume=resume))
         if self.model is None:
             raise PersiaValidationError("TrainCtx needs model=...")
         if embedding_optimizer is None or not hasattr(embedding_optimizer, "to_wire"):
@@ -79,13 +98,25 @@ class TrainCtx(EmbeddingCtx):
 
     def _enter(self) -> None:
         super()._enter()
-        self._start_streaming()
         if self.world_size > 1:
             self._init_distributed()
         configure_embedding_parameter_servers(self, self.embedding_config)
         register_optimizer_on_all_ps(self.embedding_optimizer, self)
+        self._resume_at_enter()  # before data loaders are answered: they learn where to start
+        self._start_streaming()  # nn.info, after the resume: data loaders learn where to start
+        self._subs = self._serve_checkpoint_subjects()
         self._worker_clients()
+        self._install_sigterm()
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
+
+    def _info(self, _req) -> dict:
+        """``nn.info``: what a data loader needs, including where to resume its stream."""
+        return {**super()._info(_req), "resume": self._resume_info}
+
+    @property
+    def _in_step(self) -> bool:
+        """Between forward and the end of backward: SIGTERM waits for the step to finish."""
+        return self._current_batch is not None or self._in_backward
 
     def _init_distributed(self) -> None:
         option = self.distributed_option or _default_option(self.device_id)
@@ -130,7 +161,17 @@ class TrainCtx(EmbeddingCtx):
 
     # -- backward ---------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, embedding_gradient_check_frequency: int = 20) -> torch.Tensor:
-        """Backprop, send embedding gradients (async), step the dense optimizer synchronously."""
+        """Backprop, send embedding gradients (async), step the dense optimizer synchronously; then
+        a periodic checkpoint when due, or the end of training when SIGTERM arrived."""
+        self._in_backward = True
+        try:
+            scaled = self._backward_step(loss)
+        finally:
+            self._in_backward = False
+        self._after_step()
+        return scaled
+
+    def _backward_step(self, loss: torch.Tensor) -> torch.Tensor:
         self._raise_update_error()
         batch = self._current_batch
         if batch is None:
@@ -163,6 +204,7 @@ class TrainCtx(EmbeddingCtx):
             self.skipped_non_finite += 1
         self.trained_batches += 1
         self._progress.trained(loss)
+        self._count_trained(batch.loader)
         self._report_progress()
         return scaled
 
@@ -232,20 +274,30 @@ class TrainCtx(EmbeddingCtx):
 
     def load_checkpoint(self, src_dir: str, map_location: str | None = None, dense_model_filename: str = "dense.pt",
                         opt_filename: str = "opt.pt", blocking: bool = True) -> None:
+        """Dense model, dense optimizer and every PS shard, all or nothing: every file is read and
+        validated, and every PS replica has staged its rows, before anything live changes."""
         self._wait_for_updates()
         directory = self._local_dir(src_dir)
+        appliers = self._dense_loader(directory, dense_model_filename, map_location)
         opt_path = directory / opt_filename
         if opt_path.exists():
-            self.dense_optimizer.load_state_dict(
-                torch.load(opt_path, map_location=map_location or self.device, weights_only=True))
-        super().load_checkpoint(str(directory), map_location, dense_model_filename, blocking)
+            opt_state = torch.load(opt_path, map_location=map_location or self.device, weights_only=True)
+            check_optimizer_state(self.dense_optimizer, opt_state, opt_path)
+            appliers.append(lambda: self.dense_optimizer.load_state_dict(opt_state))
+        self._load_all_or_nothing(directory, appliers, blocking)
 
     def _exit(self, exc: BaseException | None) -> None:
+        graceful = isinstance(exc, GracefulStop)
         try:
-            if exc is None:
+            if exc is None or graceful:
                 self._wait_for_updates()
+            if graceful:
+                self._stop_between_steps()
         finally:
-            self._backward_pool.shutdown(wait=exc is None)
+            self._restore_sigterm()
+            for sub in getattr(self, "_subs", ()):  # a later TrainCtx in this process answers instead
+                self.bus.unsubscribe(sub)
+            self._backward_pool.shutdown(wait=exc is None or graceful)
             self.bus.flush()
             super()._exit(exc)
 
@@ -266,6 +318,16 @@ def float32_outputs(output):
     if type(output) is dict:
         return {k: float32_outputs(v) for k, v in output.items()}
     return output
+
+
+def _checkpointing_config():
+    """``checkpointing_config`` of the job's global config (``PERSIA_GLOBAL_CONFIG``), if any."""
+    path = os.environ.get("PERSIA_GLOBAL_CONFIG")
+    if not path:
+        return None
+    from persia.config import load_global_config
+
+    return load_global_config(path).common_config.checkpointing_config
 
 
 def _default_option(device_id):

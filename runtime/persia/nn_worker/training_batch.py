@@ -21,6 +21,7 @@ class PersiaTrainingBatch:
     batch_id: int | None = None
     ref: int | None = None
     worker: int | None = None
+    loader: int | None = None  # the data loader that sent it (checkpoint positions)
     requires_grad: bool = False
     holds_permit: bool = False  # a staleness permit is released when its gradients are applied
     # filled by ctx.prepare_features: the leaf tensors whose .grad goes back to the PS

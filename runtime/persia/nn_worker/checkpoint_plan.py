@@ -1,0 +1,155 @@
+"""Decisions about periodic checkpoints and resume, as pure functions (tested without servers).
+
+Layout (CONTRACTS.md)::
+
+    <dir>/ckpt-<step, 12 digits>/     a published checkpoint; its COMPLETE marker is written last,
+                                      inside the temporary directory, before the rename
+    <dir>/.tmp-ckpt-<step>/           being written (or left by a killed writer: never read)
+
+A resume picks the highest step whose marker is present; everything else is ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Iterable, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict
+
+CHECKPOINT_PREFIX = "ckpt-"
+TMP_PREFIX = ".tmp-ckpt-"
+COMPLETE = "COMPLETE"
+PROGRESS = "progress.json"
+FORMAT = "persia-k8s-checkpoint/2"
+_NAME = re.compile(r"^ckpt-(\d{12})$")
+
+ENV_DIR = "PERSIA_CHECKPOINT_DIR"
+ENV_STEPS = "PERSIA_CHECKPOINT_INTERVAL_STEPS"
+ENV_SECONDS = "PERSIA_CHECKPOINT_INTERVAL_SECONDS"
+ENV_KEEP = "PERSIA_CHECKPOINT_KEEP"
+ENV_RESUME = "PERSIA_RESUME"
+
+
+class CheckpointSettings(BaseModel):
+    """What the trainer does about periodic checkpoints and resume (config keys, then env)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    checkpoint_dir: Optional[str] = None
+    interval_steps: Optional[int] = None
+    interval_seconds: Optional[float] = None
+    keep: int = 3
+    resume: str = "auto"
+
+    @property
+    def periodic(self) -> bool:
+        return self.checkpoint_dir is not None and (self.interval_steps is not None or self.interval_seconds is not None)
+
+
+def _positive(name: str, raw: str, kind):
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a positive {kind.__name__}") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r}: expected a positive {kind.__name__}")
+    return value
+
+
+def settings_from(config=None, env: Mapping[str, str] | None = None, **overrides) -> CheckpointSettings:
+    """``checkpointing_config`` keys, overridden by ``PERSIA_CHECKPOINT_*``/``PERSIA_RESUME``, then by
+    explicit ``overrides`` (TrainCtx arguments that are not None). An empty env value means unset
+    (``PERSIA_CHECKPOINT_INTERVAL_STEPS=`` turns the config's interval off)."""
+    env = os.environ if env is None else env
+    values = {}
+    if config is not None:
+        for key in CheckpointSettings.model_fields:
+            values[key] = getattr(config, key)
+    for name, key, kind in ((ENV_DIR, "checkpoint_dir", str), (ENV_STEPS, "interval_steps", int),
+                            (ENV_SECONDS, "interval_seconds", float), (ENV_KEEP, "keep", int),
+                            (ENV_RESUME, "resume", str)):
+        if name not in env:
+            continue
+        raw = env[name].strip()
+        if kind is str:
+            values[key] = raw or (None if key == "checkpoint_dir" else "auto")
+        elif not raw:
+            values[key] = None if key != "keep" else 3
+        else:
+            values[key] = _positive(name, raw, kind)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for key in ("interval_steps", "keep"):
+        if values.get(key) is not None and (isinstance(values[key], bool) or int(values[key]) <= 0):
+            raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
+    if values.get("interval_seconds") is not None and not float(values["interval_seconds"]) > 0:
+        raise ValueError(f"interval_seconds must be positive, got {values['interval_seconds']!r}")
+    if "://" in str(values.get("checkpoint_dir") or ""):
+        raise ValueError(f"checkpoint_dir {values['checkpoint_dir']!r}: only local/mounted paths are supported")
+    return CheckpointSettings(**values)
+
+
+def checkpoint_name(step: int) -> str:
+    if step < 0 or step >= 10**12:
+        raise ValueError(f"checkpoint step must be in [0, 10**12), got {step}")
+    return f"{CHECKPOINT_PREFIX}{step:012d}"
+
+
+def tmp_name(step: int) -> str:
+    return f"{TMP_PREFIX}{step:012d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a published checkpoint's directory name, None for anything else."""
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def complete_checkpoints(entries: Iterable[tuple[str, bool]]) -> list[tuple[int, str]]:
+    """``(step, name)`` of the published checkpoints, oldest first, from ``(name, has_marker)``
+    pairs (a directory listing): temporary, foreign and marker-less directories are ignored."""
+    out = [(s, name) for name, marked in entries if marked and (s := step_of(name)) is not None]
+    return sorted(out)
+
+
+def to_delete(complete: list[tuple[int, str]], keep: int) -> list[str]:
+    """Names of the complete checkpoints beyond the newest ``keep`` (retention)."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    return [name for _, name in sorted(complete)[:-keep]]
+
+
+def resume_choice(resume: str, complete: list[tuple[int, str]]) -> str | None:
+    """What to resume from: ``"never"`` -> None; ``"auto"`` -> the newest complete checkpoint's
+    name (None when there is none); anything else is a path, returned as it is."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return max(complete)[1] if complete else None
+    return resume
+
+
+def is_due(settings: CheckpointSettings, steps_since: int, seconds_since: float) -> bool:
+    """Whether a periodic checkpoint is due after a step (either interval reached)."""
+    if not settings.periodic or steps_since <= 0:
+        return False
+    if settings.interval_steps is not None and steps_since >= settings.interval_steps:
+        return True
+    return settings.interval_seconds is not None and seconds_since >= settings.interval_seconds
+
+
+def merge_positions(per_rank: list[Mapping[int, int]]) -> dict[str, dict[str, int]]:
+    """Loader positions of a cut: ``{loader: {rank: batches of that loader trained by that rank}}``
+    (JSON keys). Under hybrid training a rank trains each loader's batches in the order they
+    arrived, so the trained batches of loader i sent to rank r are exactly the first n of them."""
+    out: dict[str, dict[str, int]] = {}
+    for rank, counts in enumerate(per_rank):
+        for loader, n in counts.items():
+            if n:
+                out.setdefault(str(int(loader)), {})[str(rank)] = int(n)
+    return out
+
+
+def positions_for_rank(loaders: Mapping[str, Mapping[str, int]], rank: int) -> dict[int, int]:
+    """A rank's own counters, restored from a checkpoint's positions."""
+    return {int(loader): int(ranks.get(str(rank), 0)) for loader, ranks in loaders.items()}

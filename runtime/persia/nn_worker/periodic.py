@@ -1,0 +1,316 @@
+"""Periodic checkpoints, resume and graceful SIGTERM on the NN worker (``TrainCtx``'s part).
+
+A checkpoint is a consistent cut taken after a training step, identical on every rank:
+
+1. every rank waits until each of its embedding gradient updates is applied on the PS (so the
+   PS holds exactly the updates of the batches counted as trained);
+2. the ranks exchange how many batches of each data loader they trained (a collective, which is
+   also the barrier that makes every rank's flush happen before the dump);
+3. rank 0 writes ``dense.pt``, ``opt.pt``, ``progress.json`` (step, loader positions) and asks
+   every PS replica to dump its shard, all into ``<dir>/.tmp-ckpt-<step>``; then ``COMPLETE``,
+   then the rename to ``<dir>/ckpt-<step>`` (published), then retention;
+4. a second barrier: no rank sends updates before the dump has read the PS.
+
+Resume (``resume: auto`` and a ``checkpoint_dir``) loads the newest published checkpoint before
+the data loaders are answered (``nn.info``), so they learn where to start: ``DataCtx`` skips the
+batches already trained (``persia.data_loader.resume``).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from persia.bus import subject
+from persia.embedding_ps.checkpoint import write_json_atomic
+from persia.nn_worker import checkpoint_plan as plan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 30.0
+
+
+class GracefulStop(SystemExit):
+    """SIGTERM ended training after a whole step (updates flushed, final checkpoint written when
+    configured). A SystemExit, so the user's script ends without a traceback, exit code 143."""
+
+    def __init__(self):
+        super().__init__(128 + signal.SIGTERM)
+
+
+def grace_period_s(env=None) -> float:
+    env = os.environ if env is None else env
+    raw = env.get("PERSIA_GRACE_PERIOD_SECONDS", "")
+    try:
+        return float(raw) if raw else DEFAULT_GRACE_S
+    except ValueError:
+        raise ValueError(f"PERSIA_GRACE_PERIOD_SECONDS={raw!r}: expected seconds") from None
+
+
+# -- files ----------------------------------------------------------------------------------------
+def scan(directory: Path) -> list[tuple[int, str]]:
+    """Published checkpoints in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    return plan.complete_checkpoints((p.name, (p / plan.COMPLETE).is_file()) for p in directory.iterdir())
+
+
+def read_progress(path: Path) -> dict:
+    """``progress.json`` of a checkpoint (step and loader positions); an explicit checkpoint
+    without one (written by ``dump_checkpoint``) resumes at step 0 with loaders from the start."""
+    f = path / plan.PROGRESS
+    if not f.exists():
+        return {"step": 0, "world_size": None, "loaders": {}}
+    data = json.loads(f.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("step"), int) or not isinstance(data.get("loaders"), dict):
+        raise ValueError(f"{f}: malformed progress file")
+    return data
+
+
+def publish(tmp: Path, final: Path, marker: dict) -> None:
+    """COMPLETE (written atomically, fsynced) inside ``tmp``, then ``tmp`` renamed to ``final``."""
+    write_json_atomic(tmp / plan.COMPLETE, marker)
+    if final.exists():  # the same step written again (a resumed job passing it once more)
+        trash = final.with_name(plan.TMP_PREFIX + "old-" + final.name)
+        os.replace(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], None], keep: int) -> dict:
+    """Write one checkpoint: ``progress.json`` and ``write_parts(tmp)`` into ``.tmp-ckpt-<step>``,
+    then publish it (``COMPLETE``, rename) and apply retention. A writer killed anywhere before the
+    rename leaves only a temporary directory, which no reader looks at; returns the marker."""
+    step = int(progress["step"])
+    tmp = directory / plan.tmp_name(step)
+    final = directory / plan.checkpoint_name(step)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_json_atomic(tmp / plan.PROGRESS, progress)
+    write_parts(tmp)
+    now = time.time()
+    marker = {"format": plan.FORMAT, "step": step, "time": now,
+              "datetime": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(),
+              "parts": sorted(p.name for p in tmp.iterdir()), "world_size": progress.get("world_size")}
+    publish(tmp, final, marker)
+    marker["path"] = str(final)
+    for name in plan.to_delete(scan(directory), keep):
+        shutil.rmtree(directory / name, ignore_errors=True)
+    return marker
+
+
+class PeriodicCheckpointing:
+    """Mixin of ``TrainCtx`` (needs ``rank``, ``world_size``, ``bus``, ``model``, ``dense_optimizer``,
+    ``_control_group``, ``_wait_for_updates``, ``dump_checkpoint``, ``load_checkpoint``)."""
+
+    def _init_checkpointing(self, settings: plan.CheckpointSettings) -> None:
+        self.checkpoint_settings = settings
+        self.step = 0
+        self.start_step = 0
+        self.resumed_from: str | None = None
+        self.last_checkpoint: dict | None = None
+        self.checkpoint_seconds: list[float] = []  # how long each periodic checkpoint took
+        self._trained_per_loader: dict[int, int] = {}
+        self._resume_info: dict | None = None
+        self._last_ckpt_step = 0
+        self._last_ckpt_time = time.monotonic()
+        self._stop_requested = False
+        self._in_backward = False
+        self._final_done = False
+        self._old_sigterm = None
+
+    @property
+    def _ckpt_dir(self) -> Path | None:
+        d = self.checkpoint_settings.checkpoint_dir
+        return Path(d) if d else None
+
+    # -- resume -----------------------------------------------------------------------------------
+    def _resume_at_enter(self) -> None:
+        """Load what ``resume`` names before any data loader is answered; every rank loads the
+        dense part, rank 0 the embeddings (stage on every PS, then commit)."""
+        directory, s = self._ckpt_dir, self.checkpoint_settings
+        if directory is not None and self.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            for stale in directory.glob(plan.TMP_PREFIX + "*"):  # left by a killed writer
+                shutil.rmtree(stale, ignore_errors=True)
+        choice = plan.resume_choice(s.resume, scan(directory) if directory is not None else [])
+        if choice is None:
+            return
+        path = directory / choice if s.resume == "auto" else Path(choice)
+        progress = read_progress(path)
+        t0 = time.monotonic()
+        if self.rank == 0:
+            self.load_checkpoint(str(path))
+        else:
+            self._load_dense_only(path)
+        self._barrier()
+        self.step = self.start_step = int(progress["step"])
+        self._last_ckpt_step = self.step
+        self.resumed_from = str(path)
+        self._trained_per_loader = plan.positions_for_rank(progress["loaders"], self.rank)
+        self._resume_info = {"step": self.step, "world_size": progress.get("world_size"),
+                             "loaders": progress["loaders"], "path": str(path)}
+        log.info("resumed from %s: step %d, loader positions %s (%.2fs)", path, self.step, progress["loaders"],
+                 time.monotonic() - t0)
+
+    def _load_dense_only(self, path: Path) -> None:
+        from persia.nn_worker.checkpoint import check_optimizer_state
+
+        appliers = self._dense_loader(path, "dense.pt", None)
+        opt_path = path / "opt.pt"
+        if opt_path.exists():
+            state = torch.load(opt_path, map_location=self.device, weights_only=True)
+            check_optimizer_state(self.dense_optimizer, state, opt_path)
+            appliers.append(lambda: self.dense_optimizer.load_state_dict(state))
+        for fn in appliers:
+            fn()
+
+    def _serve_checkpoint_subjects(self) -> list:
+        """Rank 0 answers ``checkpoint.latest`` (CONTRACTS.md; the operator reads it)."""
+        if self.rank != 0:
+            return []
+
+        def latest(_req):
+            last = self.last_checkpoint or {}
+            return {"step": last.get("step"), "time": last.get("time"), "path": last.get("path"),
+                    "resumed_from": self.resumed_from}
+
+        return [self.bus.serve(subject("checkpoint", "latest"), latest, blocking=False)]
+
+    # -- per step ---------------------------------------------------------------------------------
+    def _count_trained(self, loader: int | None) -> None:
+        self.step += 1
+        if loader is not None:
+            self._trained_per_loader[loader] = self._trained_per_loader.get(loader, 0) + 1
+
+    def _after_step(self) -> None:
+        """After a whole step: a periodic checkpoint when due, the end when SIGTERM asked for it
+        (agreed by every rank, so they checkpoint and stop at the same step)."""
+        s = self.checkpoint_settings
+        due = plan.is_due(s, self.step - self._last_ckpt_step, time.monotonic() - self._last_ckpt_time)
+        stop = self._stop_requested
+        if self.world_size > 1 and self._control_group is not None:
+            flags = torch.tensor([0 if due else 1, 0 if stop else 1], dtype=torch.int32)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=self._control_group)
+            due, stop = flags[0].item() == 0, flags[1].item() == 0
+        if (due or stop) and self._ckpt_dir is not None:
+            self.save_checkpoint()
+        if stop:
+            self._final_done = True
+            raise GracefulStop()
+
+    # -- the cut ----------------------------------------------------------------------------------
+    def save_checkpoint(self) -> dict | None:
+        """Write and publish a checkpoint of the current step into ``checkpoint_dir`` (every rank
+        calls it at the same step). Returns the published marker on rank 0."""
+        directory = self._ckpt_dir
+        if directory is None:
+            raise ValueError("save_checkpoint needs a checkpoint_dir (checkpointing_config, PERSIA_CHECKPOINT_DIR "
+                             "or TrainCtx(checkpoint_dir=...))")
+        if self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step:
+            return self.last_checkpoint  # this step is already published
+        t0 = time.monotonic()
+        self._wait_for_updates()
+        per_rank = self._gather_positions()
+        marker = None
+        if self.rank == 0:
+            marker = self._write_cut(directory, per_rank)
+        self._barrier()
+        self._last_ckpt_step, self._last_ckpt_time = self.step, time.monotonic()
+        elapsed = time.monotonic() - t0
+        self.checkpoint_seconds.append(elapsed)
+        if marker is not None:
+            log.info("checkpoint step %d published at %s (%.2fs)", self.step, marker["path"], elapsed)
+        return marker
+
+    def _write_cut(self, directory: Path, per_rank: list[dict[int, int]]) -> dict:
+        progress = {"step": self.step, "world_size": self.world_size, "loaders": plan.merge_positions(per_rank)}
+        # dense.pt, opt.pt, every PS shard, embedding_dump_done
+        marker = write_cut(directory, progress, lambda tmp: self.dump_checkpoint(str(tmp)),
+                           self.checkpoint_settings.keep)
+        self.last_checkpoint = marker
+        try:
+            self.bus.publish(subject("checkpoint", "published"),
+                             {"step": marker["step"], "time": marker["time"], "path": marker["path"]})
+        except Exception as exc:  # noqa: BLE001 - the checkpoint is on disk; the event is informative
+            log.warning("could not publish the checkpoint event: %s", exc)
+        return marker
+
+    def _gather_positions(self) -> list[dict[int, int]]:
+        """Every rank's per-loader trained counts (on rank 0), as int64 tensors over gloo: no pickle."""
+        if self.world_size <= 1 or self._control_group is None:
+            return [dict(self._trained_per_loader)]
+        group = self._control_group
+        size = torch.tensor([max(self._trained_per_loader, default=-1) + 1], dtype=torch.int64)
+        torch.distributed.all_reduce(size, op=torch.distributed.ReduceOp.MAX, group=group)
+        mine = torch.zeros(int(size.item()), dtype=torch.int64)
+        for loader, n in self._trained_per_loader.items():
+            mine[loader] = n
+        parts = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, mine, group=group)
+        return [{i: int(v) for i, v in enumerate(p.tolist()) if v} for p in parts]
+
+    def _barrier(self) -> None:
+        if self.world_size > 1 and self._control_group is not None:
+            torch.distributed.barrier(group=self._control_group)
+
+    # -- SIGTERM ----------------------------------------------------------------------------------
+    def _install_sigterm(self) -> None:
+        """SIGTERM: finish the step in progress, flush updates, final checkpoint when configured,
+        exit 143; a watchdog ends the process at the grace period whatever happens. Installed
+        after the NATS connection exists (a role that cannot connect keeps the default action),
+        and the handler never blocks."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        grace = grace_period_s()
+
+        def on_sigterm(signum, _frame):
+            if self._stop_requested:
+                raise GracefulStop()
+            self._stop_requested = True
+            log.warning("SIGTERM: stopping after the current step (grace period %.0fs)", grace)
+            watchdog = threading.Timer(max(1.0, grace - 1.0), _out_of_time, args=(grace,))
+            watchdog.daemon = True
+            watchdog.start()
+            if not self._in_step:
+                raise GracefulStop()
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    def _stop_between_steps(self) -> None:
+        """SIGTERM arrived between steps (every update of a trained step is flushed by the caller):
+        the final checkpoint, on one rank only (several ranks cannot agree outside a step)."""
+        if self._final_done or self._ckpt_dir is None:
+            return
+        self._final_done = True
+        if self.world_size > 1:
+            log.warning("SIGTERM between steps with %d ranks: no final checkpoint (the last periodic one stands)",
+                        self.world_size)
+            return
+        self.save_checkpoint()
+
+
+def _out_of_time(grace: float) -> None:
+    log.error("SIGTERM: still running after %.0fs (PERSIA_GRACE_PERIOD_SECONDS); exiting now", grace)
+    logging.shutdown()
+    os._exit(128 + signal.SIGTERM)

@@ -1,0 +1,138 @@
+"""Periodic checkpoints, resume and all-or-nothing loads, in one process: real nats-server, real
+gRPC PS replicas and embedding workers on loopback, a real DataCtx (thread) and TrainCtx."""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import numpy as np
+import pytest
+import torch
+
+from persia.bus import shared_bus, subject
+from persia.ctx import TrainCtx
+from persia.data import DataLoader, StreamingDataset
+from persia.embedding.optim import Adagrad
+from persia.nn_worker.checkpoint import CheckpointLoadError
+
+from .cluster import cluster
+from .test_training_path import Model, eval_embeddings, make_batch, send_in_thread
+
+pytestmark = pytest.mark.integration
+
+PROBE = [make_batch(700 + i, requires_grad=False) for i in range(2)]
+
+
+def run_job(model, n_batches, tmp_path, at_end=None, **ckpt):
+    """One training job over batches 0..n-1 (staleness 1: deterministic); returns the ctx."""
+    errors: list = []
+    sender = send_in_thread([make_batch(i) for i in range(n_batches)], errors)
+    with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                  checkpoint_dir=str(tmp_path / "ckpts"), **ckpt) as ctx:
+        for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+            out, labels = ctx.forward(batch)
+            ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        ctx.wait_for_pending_updates()
+        if at_end is not None:
+            at_end(ctx)
+    sender.join(30)
+    assert not errors, errors
+    return ctx
+
+
+def test_periodic_checkpoints_are_published_atomically_and_retained(persia_env, tmp_path):
+    events: queue.Queue = queue.Queue()
+    bus = shared_bus()
+    bus.subscribe_events(subject("checkpoint", "published"), events.put)
+    with cluster(num_ps=2):
+        latest = []
+        ctx = run_job(Model(), 8, tmp_path, checkpoint_interval_steps=3, checkpoint_keep=2,
+                      at_end=lambda _c: latest.append(bus.request(subject("checkpoint", "latest"), None, timeout=5)))
+    root = tmp_path / "ckpts"
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000000000003", "ckpt-000000000006"]
+    marker = json.loads((root / "ckpt-000000000006" / "COMPLETE").read_text())
+    assert marker["step"] == 6 and marker["format"] == "persia-k8s-checkpoint/2"
+    assert {"dense.pt", "opt.pt", "progress.json", "s0", "s1", "embedding_dump_done"} <= set(marker["parts"])
+    progress = json.loads((root / "ckpt-000000000006" / "progress.json").read_text())
+    assert progress == {"step": 6, "world_size": 1, "loaders": {"0": {"0": 6}}}
+    got = [events.get(timeout=10) for _ in range(2)]
+    assert [e["step"] for e in got] == [3, 6]
+    assert got[1]["path"] == str(root / "ckpt-000000000006")
+    assert ctx.step == 8 and ctx.resumed_from is None and len(ctx.checkpoint_seconds) == 2
+    assert latest[0] == {"step": 6, "time": got[1]["time"], "path": got[1]["path"], "resumed_from": None}
+
+
+def test_resumed_job_ends_in_the_same_state_as_an_undisturbed_one(persia_env, tmp_path):
+    """Job A trains 8 batches. Job B trains 5 (checkpoints at 3), dies; job C (fresh PS and
+    workers) resumes from step 3 with the unchanged 8-batch stream: its loader skips the 3 trained
+    batches, and the final dense model and embeddings equal A's exactly (staleness 1)."""
+    torch.manual_seed(0)
+    model_a = Model()
+    init = {k: v.clone() for k, v in model_a.state_dict().items()}
+    with cluster(num_ps=2):
+        run_job(model_a, 8, tmp_path / "a")
+        expected = eval_embeddings(model_a, PROBE)
+    model_b = Model()
+    model_b.load_state_dict(init)
+    with cluster(num_ps=2):
+        run_job(model_b, 5, tmp_path / "b", checkpoint_interval_steps=3)
+    model_c = Model()  # a restarted process: fresh parameters, the checkpoint brings them back
+    with cluster(num_ps=2):
+        ctx = run_job(model_c, 8, tmp_path / "b", checkpoint_interval_steps=100)
+        assert ctx.resumed_from == str(tmp_path / "b" / "ckpts" / "ckpt-000000000003")
+        assert (ctx.start_step, ctx.step, ctx.trained_batches) == (3, 8, 5)
+        resumed = eval_embeddings(model_c, PROBE)
+    for p, q in zip(model_a.parameters(), model_c.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for a, b in zip(expected, resumed):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_resume_never_starts_from_zero(persia_env, tmp_path):
+    with cluster():
+        run_job(Model(), 4, tmp_path, checkpoint_interval_steps=2)
+    with cluster():
+        ctx = run_job(Model(), 4, tmp_path, resume="never")
+    assert ctx.resumed_from is None and ctx.start_step == 0 and ctx.step == 4
+
+
+def test_a_refused_shard_changes_nothing_on_any_replica_nor_the_dense_model(persia_env, tmp_path):
+    with cluster(num_ps=2):
+        model = Model()
+        run_job(model, 4, tmp_path, checkpoint_interval_steps=4)
+        ckpt = tmp_path / "ckpts" / "ckpt-000000000004"
+        shard = next((ckpt / "s1").glob("*.emb"))
+        raw = bytearray(shard.read_bytes())
+        raw[-1] ^= 0xFF  # replica 1's file is corrupt; replica 0's is fine
+        shard.write_bytes(bytes(raw))
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                      resume="never") as ctx:
+            ctx.clear_embeddings()  # live state differs from the checkpoint: no rows, moved weights
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            before_dense = {k: v.clone() for k, v in model.state_dict().items()}
+            with pytest.raises(CheckpointLoadError, match="PS replica 1 refused the checkpoint.*checksum"):
+                ctx.load_checkpoint(str(ckpt))
+            assert ctx.get_embedding_size() == [0, 0]  # replica 0 staged its shard but did not switch
+        for k, v in model.state_dict().items():
+            torch.testing.assert_close(v, before_dense[k], rtol=0, atol=0)
+
+
+def test_a_dense_file_of_another_model_is_refused_before_the_embeddings_load(persia_env, tmp_path):
+    with cluster():
+        model = Model()
+        run_job(model, 2, tmp_path, checkpoint_interval_steps=2)
+        ckpt = tmp_path / "ckpts" / "ckpt-000000000002"
+        torch.save({"lin.weight": torch.zeros(3, 3)}, ckpt / "dense.pt")
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1), resume="never") as ctx:
+            rows = ctx.get_embedding_size()
+            ctx.clear_embeddings()
+            with pytest.raises(CheckpointLoadError, match="dense.pt: does not match the model"):
+                ctx.load_checkpoint(str(ckpt))
+            assert sum(ctx.get_embedding_size()) == 0 < sum(rows)  # the embeddings were not loaded either

@@ -1,0 +1,98 @@
+"""Checkpoint/resume decisions as pure functions: settings (config, env, arguments), which
+directories are published, retention, the resume choice, when a checkpoint is due, loader
+positions and how a restarted data loader skips exactly the trained batches."""
+
+from __future__ import annotations
+
+import pytest
+
+from persia.config import load_global_config_from_dict
+from persia.data_loader.resume import StreamPosition, position_from_info
+from persia.nn_worker import checkpoint_plan as plan
+
+
+def ckpt_config(**keys):
+    return load_global_config_from_dict({"common_config": {"checkpointing_config": keys}}).common_config.checkpointing_config
+
+
+def test_config_keys_then_env_then_arguments():
+    cfg = ckpt_config(checkpoint_dir="/c", interval_steps=100, keep=5)
+    s = plan.settings_from(cfg, {})
+    assert (s.checkpoint_dir, s.interval_steps, s.interval_seconds, s.keep, s.resume) == ("/c", 100, None, 5, "auto")
+    s = plan.settings_from(cfg, {plan.ENV_DIR: "/e", plan.ENV_STEPS: "", plan.ENV_SECONDS: "2.5", plan.ENV_RESUME: "never"})
+    assert (s.checkpoint_dir, s.interval_steps, s.interval_seconds, s.resume) == ("/e", None, 2.5, "never")
+    s = plan.settings_from(cfg, {plan.ENV_STEPS: "7"}, interval_steps=3, checkpoint_dir=None)
+    assert (s.checkpoint_dir, s.interval_steps) == ("/c", 3)  # None arguments leave the value alone
+    assert plan.settings_from(None, {}).periodic is False
+    assert plan.settings_from(None, {plan.ENV_DIR: "/d"}).periodic is False  # a dir alone: resume only
+    assert plan.settings_from(None, {plan.ENV_DIR: "/d", plan.ENV_STEPS: "1"}).periodic is True
+
+
+@pytest.mark.parametrize("env, message", [
+    ({plan.ENV_STEPS: "ten"}, "PERSIA_CHECKPOINT_INTERVAL_STEPS='ten': expected a positive int"),
+    ({plan.ENV_STEPS: "0"}, "PERSIA_CHECKPOINT_INTERVAL_STEPS='0'"),
+    ({plan.ENV_SECONDS: "-1"}, "PERSIA_CHECKPOINT_INTERVAL_SECONDS='-1'"),
+    ({plan.ENV_KEEP: "0"}, "PERSIA_CHECKPOINT_KEEP='0'"),
+    ({plan.ENV_DIR: "hdfs://x/y"}, "only local/mounted paths"),
+])
+def test_bad_env_values_name_the_variable_and_value(env, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        plan.settings_from(None, env)
+
+
+def test_bad_config_values_are_refused():
+    for keys in ({"interval_steps": 0}, {"interval_seconds": 0}, {"keep": 0}, {"resume": ""}, {"interval": 5}):
+        with pytest.raises(ValueError):
+            ckpt_config(**keys)
+
+
+def test_only_marked_well_named_directories_are_published():
+    entries = [("ckpt-000000000010", True), ("ckpt-000000000020", False), (".tmp-ckpt-000000000030", True),
+               ("ckpt-5", True), ("notes", False), ("ckpt-000000000002", True)]
+    assert plan.complete_checkpoints(entries) == [(2, "ckpt-000000000002"), (10, "ckpt-000000000010")]
+    assert plan.checkpoint_name(42) == "ckpt-000000000042" and plan.step_of("ckpt-000000000042") == 42
+    with pytest.raises(ValueError):
+        plan.checkpoint_name(-1)
+
+
+def test_retention_and_resume_choice():
+    complete = [(1, "a"), (5, "c"), (3, "b")]
+    assert plan.to_delete(complete, 2) == ["a"]
+    assert plan.to_delete(complete, 3) == []
+    assert plan.resume_choice("auto", complete) == "c"
+    assert plan.resume_choice("auto", []) is None
+    assert plan.resume_choice("never", complete) is None
+    assert plan.resume_choice("/some/ckpt", []) == "/some/ckpt"
+
+
+def test_due_by_steps_or_seconds():
+    both = plan.CheckpointSettings(checkpoint_dir="/d", interval_steps=10, interval_seconds=60.0)
+    assert not plan.is_due(both, 9, 59.0)
+    assert plan.is_due(both, 10, 0.0) and plan.is_due(both, 1, 60.0)
+    assert not plan.is_due(both, 0, 1000.0)  # nothing trained since the last one
+    assert not plan.is_due(plan.CheckpointSettings(interval_steps=1), 5, 5.0)  # no directory
+
+
+def test_positions_merge_per_loader_and_rank():
+    merged = plan.merge_positions([{0: 3, 1: 2}, {0: 4, 1: 0}])
+    assert merged == {"0": {"0": 3, "1": 4}, "1": {"0": 2}}
+    assert plan.positions_for_rank(merged, 1) == {0: 4, 1: 0}
+
+
+def test_a_loader_skips_exactly_the_batches_each_rank_trained():
+    # loader 0 of 1, 2 NN ranks: batch k goes to rank k % 2. Rank 0 trained 3 (k=0,2,4), rank 1
+    # trained 2 (k=1,3): k=5 was sent to rank 1 but not trained (staleness), so it is sent again.
+    position, warning = position_from_info({"step": 2, "world_size": 2, "loaders": {"0": {"0": 3, "1": 2}}}, 0, 2)
+    assert warning is None and position.total == 5
+    sent = [k for k in range(10) if not position.skip(k % 2)]
+    assert sent == [5, 6, 7, 8, 9]
+    assert position.remaining == 0
+
+
+def test_positions_are_not_mapped_onto_another_world_size():
+    position, warning = position_from_info({"world_size": 2, "path": "/c", "loaders": {"0": {"0": 3}}}, 0, 4)
+    assert position is None and "written with 2 NN ranks, this job has 4" in warning
+    assert position_from_info(None, 0, 1) == (None, None)
+    fresh, _ = position_from_info({"world_size": 1, "loaders": {}}, 3, 1)
+    assert fresh.total == 0 and not fresh.skip(0)
+    assert isinstance(fresh, StreamPosition)
