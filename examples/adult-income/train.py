@@ -80,7 +80,8 @@ if __name__ == "__main__":
         ctx.wait_for_pending_updates()
         elapsed = time.monotonic() - start
         result = test(model)
-        result.update(train_samples=samples, train_steps=steps,
+        # after a restart (PERSIA_CHECKPOINT_DIR set) training resumed at ctx.start_step
+        result.update(train_samples=samples, train_steps=steps, start_step=ctx.start_step,
                       samples_per_sec=samples / max(elapsed, 1e-9), rank=get_rank() or 0,
                       world_size=get_world_size() or 1)
         logger.info("test AUC %.4f accuracy %.4f", result["auc"], result["accuracy"])

@@ -4,7 +4,9 @@ gRPC PS replicas and embedding workers on loopback, a real DataCtx (thread) and 
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from persia.bus import shared_bus, subject
 from persia.ctx import TrainCtx
 from persia.data import DataLoader, StreamingDataset
 from persia.embedding.optim import Adagrad
+from persia.nn_worker import checkpoint_plan as plan
 from persia.nn_worker.checkpoint import CheckpointLoadError
 
 from .cluster import cluster
@@ -136,3 +139,36 @@ def test_a_dense_file_of_another_model_is_refused_before_the_embeddings_load(per
             with pytest.raises(CheckpointLoadError, match="dense.pt: does not match the model"):
                 ctx.load_checkpoint(str(ckpt))
             assert sum(ctx.get_embedding_size()) == 0 < sum(rows)  # the embeddings were not loaded either
+
+
+@pytest.mark.parametrize("when", ["mid-step", "between-steps"])
+def test_sigterm_ends_after_a_whole_step_with_a_final_checkpoint(persia_env, tmp_path, when, monkeypatch):
+    """SIGTERM to this very process: mid-step it is held until the step (and its embedding update)
+    is done; between steps it ends training at once. Either way: updates flushed, a final
+    checkpoint of exactly the steps trained, SystemExit(143), and the handler is removed again."""
+    monkeypatch.setenv("PERSIA_GRACE_PERIOD_SECONDS", "3600")  # its watchdog must not end pytest
+    before = signal.getsignal(signal.SIGTERM)
+    errors: list = []
+    with cluster():
+        sender = send_in_thread([make_batch(i) for i in range(12)], errors)
+        model, trained = Model(), 0
+        with pytest.raises(SystemExit) as info:
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          checkpoint_dir=str(tmp_path / "ckpts"), checkpoint_interval_steps=1000) as ctx:
+                for batch in DataLoader(StreamingDataset(4), embedding_staleness=3):
+                    out, labels = ctx.forward(batch)
+                    if trained == 4 and when == "mid-step":
+                        os.kill(os.getpid(), signal.SIGTERM)
+                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                    trained += 1
+                    if trained == 4 and when == "between-steps":
+                        os.kill(os.getpid(), signal.SIGTERM)
+        assert info.value.code == 143
+        assert ctx.step == (5 if when == "mid-step" else 4)
+        assert ctx._pending == set()  # every embedding update was applied before the checkpoint
+        final = tmp_path / "ckpts" / plan.checkpoint_name(ctx.step)
+        assert (final / "COMPLETE").is_file()
+        assert json.loads((final / "progress.json").read_text())["loaders"] == {"0": {"0": ctx.step}}
+    assert signal.getsignal(signal.SIGTERM) is before
+    del sender  # it stays blocked on batches nobody takes; the bus closes at teardown

@@ -67,10 +67,12 @@ def test_retention_and_resume_choice():
 
 def test_due_by_steps_or_seconds():
     both = plan.CheckpointSettings(checkpoint_dir="/d", interval_steps=10, interval_seconds=60.0)
-    assert not plan.is_due(both, 9, 59.0)
-    assert plan.is_due(both, 10, 0.0) and plan.is_due(both, 1, 60.0)
-    assert not plan.is_due(both, 0, 1000.0)  # nothing trained since the last one
-    assert not plan.is_due(plan.CheckpointSettings(interval_steps=1), 5, 5.0)  # no directory
+    assert not plan.is_due(both, 9, 0, 59.0)
+    assert plan.is_due(both, 10, 0, 0.0) and plan.is_due(both, 1, 0, 60.0)
+    assert not plan.is_due(both, 5, 5, 1000.0)  # nothing trained since the last one
+    # aligned to multiples: after a resume (or a final checkpoint) at 13, the next one is at 20
+    assert not plan.is_due(both, 19, 13, 1.0) and plan.is_due(both, 20, 13, 1.0)
+    assert not plan.is_due(plan.CheckpointSettings(interval_steps=1), 5, 0, 5.0)  # no directory
 
 
 def test_positions_merge_per_loader_and_rank():

@@ -129,11 +129,14 @@ def resume_choice(resume: str, complete: list[tuple[int, str]]) -> str | None:
     return resume
 
 
-def is_due(settings: CheckpointSettings, steps_since: int, seconds_since: float) -> bool:
-    """Whether a periodic checkpoint is due after a step (either interval reached)."""
-    if not settings.periodic or steps_since <= 0:
+def is_due(settings: CheckpointSettings, step: int, last_step: int, seconds_since: float) -> bool:
+    """Whether a periodic checkpoint is due after ``step`` (the last one was at ``last_step``).
+    Step intervals are aligned to multiples of ``interval_steps`` (ckpt-150 is at step 150 with or
+    without restarts in between, also after a final checkpoint at an odd step)."""
+    if not settings.periodic or step <= last_step:
         return False
-    if settings.interval_steps is not None and steps_since >= settings.interval_steps:
+    n = settings.interval_steps
+    if n is not None and step // n > last_step // n:
         return True
     return settings.interval_seconds is not None and seconds_since >= settings.interval_seconds
 

@@ -202,7 +202,7 @@ class PeriodicCheckpointing:
         """After a whole step: a periodic checkpoint when due, the end when SIGTERM asked for it
         (agreed by every rank, so they checkpoint and stop at the same step)."""
         s = self.checkpoint_settings
-        due = plan.is_due(s, self.step - self._last_ckpt_step, time.monotonic() - self._last_ckpt_time)
+        due = plan.is_due(s, self.step, self._last_ckpt_step, time.monotonic() - self._last_ckpt_time)
         stop = self._stop_requested
         if self.world_size > 1 and self._control_group is not None:
             flags = torch.tensor([0 if due else 1, 0 if stop else 1], dtype=torch.int32)
