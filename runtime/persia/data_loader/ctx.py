@@ -118,7 +118,8 @@ class DataCtx(BaseCtx):
 
     @property
     def sent(self) -> int:
-        return self._counter
+        """Batches this context sent (not those it skipped on resume)."""
+        return self._counter - self.skipped
 
     @property
     def start_batch(self) -> int:

@@ -190,7 +190,9 @@ class PeriodicCheckpointing:
             return {"step": last.get("step"), "time": last.get("time"), "path": last.get("path"),
                     "resumed_from": self.resumed_from}
 
-        return [self.bus.serve(subject("checkpoint", "latest"), latest, blocking=False)]
+        from persia.messages import NoPayload
+
+        return [self.bus.serve(subject("checkpoint", "latest"), latest, blocking=False, schema=NoPayload)]
 
     # -- per step ---------------------------------------------------------------------------------
     def _count_trained(self, loader: int | None) -> None:
