@@ -56,12 +56,13 @@ class Image:
     tag: str
     lock: str | None  # images/requirements/<lock>.txt, None: nothing to pin
     extra: str  # the project's extra the image installs
+    torch: bool = True  # installs torch (takes TORCH_INDEX_URL)
 
 
 IMAGES = {
     "runtime-cpu": Image("runtime-cpu", "persiaml/persia-cpu-runtime:latest", "runtime", "runtime"),
     "runtime-cuda": Image("runtime-cuda", "persiaml/persia-cuda-runtime:latest", "runtime", "runtime"),
-    "operator": Image("operator", "persiaml/persia-operator:0.1.0", "operator", "operator"),
+    "operator": Image("operator", "persiaml/persia-operator:0.1.0", "operator", "operator", torch=False),
 }
 
 # `make demo`, inside the runtime image (the example lives under /opt/persia/examples there).
@@ -120,11 +121,14 @@ def make_plan(tool: str, base: str, wheel_found: bool, host_ca: Path | None) -> 
 
 def build_command(plan: Plan, image: Image, context: Path) -> list[str]:
     dockerfile = str(context / "images" / f"{image.name}.Dockerfile")
-    args = [a for k, v in sorted(plan.build_args.items()) for a in ("--build-arg", f"{k}={v}")]
+    given = {k: v for k, v in plan.build_args.items() if image.torch or k != "TORCH_INDEX_URL"}
+    args = [a for k, v in sorted(given.items()) for a in ("--build-arg", f"{k}={v}")]
     if plan.tool == "docker":
         return ["docker", "build", "-f", dockerfile, "-t", image.tag, *args, str(context)]
     volumes = ["--volume", f"{plan.host_ca.parent}:/hostcerts:ro"] if plan.host_ca else []
-    return [*buildah(), "bud", "--isolation", "chroot", "--format", "docker", "--layers", "--pull=false",
+    # No --layers: with vfs every cached step is a full copy of the tree (14 GB and ten minutes
+    # for the runtime image); BUILDAH_LAYERS=true turns the cache on where the storage allows.
+    return [*buildah(), "bud", "--isolation", "chroot", "--format", "docker", "--pull=false",
             "-f", dockerfile, "-t", image.tag, *args, *volumes, str(context)]  # fmt: skip
 
 
@@ -285,14 +289,14 @@ def setup(args) -> tuple[Plan, Path]:
 
 
 def build_images(plan: Plan, context: Path, names: Sequence[str]) -> dict[str, float]:
-    """Builds `names`; the CUDA image is linted instead when its base cannot be pulled (local base)."""
+    """Lints and builds `names`; the CUDA image is only linted when its base cannot be pulled."""
     seconds = {}
     for name in names:
         image = IMAGES[name]
+        hadolint(context / "images" / f"{name}.Dockerfile")
         if name == "runtime-cuda" and plan.local_base:
             print("images: runtime-cuda not built: its base (nvidia/cuda) cannot be pulled or made "
-                  "here; linting it instead", flush=True)
-            hadolint(context / "images" / "runtime-cuda.Dockerfile")
+                  "here; linted only", flush=True)
             continue
         start = time.monotonic()
         sh(build_command(plan, image, context))
@@ -301,25 +305,35 @@ def build_images(plan: Plan, context: Path, names: Sequence[str]) -> dict[str, f
     return seconds
 
 
-def run_in(plan: Plan, tag: str, argv: Sequence[str], log: Path) -> tuple[str, list[str], str]:
-    """Runs argv in a fresh container of `tag` as its image user. Returns the output, the files
-    that user left outside /tmp (none: the image works with a read-only root filesystem) and the
-    image's recorded `pip freeze`."""
+@dataclass(frozen=True)
+class Ran:
+    output: str
+    written: list[str]  # files the image user left outside /tmp (none: read-only root works)
+    freeze: str  # the image's recorded `pip freeze`
+    seconds: float  # the command alone, without creating the container
+
+
+def run_in(plan: Plan, tag: str, argv: Sequence[str], log: Path) -> Ran:
+    """Runs argv in a fresh container of `tag` as its image user."""
     if plan.tool == "docker":
         cmd = ["docker", "run", "--rm", "--read-only", "--tmpfs", "/tmp", "--entrypoint", argv[0],
                tag, *argv[1:]]
+        start = time.monotonic()
         out = subprocess.run(cmd, capture_output=True, text=True)
+        seconds = time.monotonic() - start
         log.write_text(out.stdout + out.stderr)
         if out.returncode:
             raise SystemExit(f"images: {' '.join(argv)} in {tag} exited {out.returncode}; see {log}")
         freeze = subprocess.run(["docker", "run", "--rm", "--entrypoint", "cat", tag, FREEZE_PATH],
                                 check=True, capture_output=True, text=True).stdout
-        return out.stdout + out.stderr, [], freeze  # --read-only: writing outside /tmp fails the run
+        return Ran(out.stdout + out.stderr, [], freeze, seconds)  # --read-only catches writes
     ctr = sh([*buildah(), "from", "--pull=false", tag], capture_output=True, text=True).stdout.strip()
     try:
         print("+ buildah run", ctr, "--", " ".join(argv), flush=True)
+        start = time.monotonic()
         out = subprocess.run([*buildah(), "run", "--isolation", "chroot", ctr, "--", *argv],
                              capture_output=True, text=True)
+        seconds = time.monotonic() - start
         log.write_text(out.stdout + out.stderr)
         if out.returncode:
             raise SystemExit(f"images: {' '.join(argv)} in {tag} exited {out.returncode}; see {log}")
@@ -327,9 +341,17 @@ def run_in(plan: Plan, tag: str, argv: Sequence[str], log: Path) -> tuple[str, l
         found = subprocess.run(["find", mnt, "-xdev", "-user", str(RUNTIME_UID), "-not", "-path",
                                 f"{mnt}/tmp/*"], capture_output=True, text=True).stdout.split()
         freeze = Path(mnt, FREEZE_PATH.lstrip("/")).read_text()
-        return out.stdout + out.stderr, [p[len(mnt):] for p in found], freeze
+        return Ran(out.stdout + out.stderr, [p[len(mnt):] for p in found], freeze, seconds)
     finally:
         subprocess.run([*buildah(), "rm", ctr], capture_output=True)
+
+
+def image_user(plan: Plan, tag: str) -> str:
+    if plan.tool == "docker":
+        cmd = ["docker", "image", "inspect", "--format", "{{.Config.User}}", tag]
+    else:
+        cmd = [*buildah(), "inspect", "--type", "image", "--format", "{{.OCIv1.Config.User}}", tag]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def image_sizes(plan: Plan, tags: Sequence[str]) -> dict[str, str]:
@@ -339,39 +361,37 @@ def image_sizes(plan: Plan, tags: Sequence[str]) -> dict[str, str]:
                                 capture_output=True, text=True).stdout.strip() for tag in tags}
 
 
-def check(plan: Plan, context: Path) -> None:
-    seconds = build_images(plan, context, ["runtime-cpu", "operator"])
+def check(plan: Plan, context: Path, rebuild: bool = True) -> None:
+    seconds = build_images(plan, context, ["runtime-cpu", "operator"]) if rebuild else {}
     cpu, op = IMAGES["runtime-cpu"].tag, IMAGES["operator"].tag
     logs = OUT / "check"
     logs.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
-    out, written, cpu_freeze = run_in(plan, cpu, DEMO, logs / "runtime-cpu-demo.log")
-    demo_s = time.monotonic() - start
-    result = demo_result(out)
+    demo = run_in(plan, cpu, DEMO, logs / "runtime-cpu-demo.log")
+    result = demo_result(demo.output)
     if result is None or result.get("auc", 0) < MIN_AUC:
         raise SystemExit(f"images: the demo in {cpu} did not reach AUC {MIN_AUC}: {result}; "
                          f"see {logs}/runtime-cpu-demo.log")
-    if written:
-        raise SystemExit(f"images: the demo wrote outside /tmp as uid {RUNTIME_UID}: {written}")
-    help_out, written_op, op_freeze = run_in(plan, op, OPERATOR_HELP, logs / "operator-help.log")
-    if "usage" not in help_out.lower() or written_op:
-        raise SystemExit(f"images: `python -m persia_operator --help` in {op}: {help_out!r} {written_op}")
+    if demo.written:
+        raise SystemExit(f"images: the demo wrote outside /tmp as uid {RUNTIME_UID}: {demo.written}")
+    helped = run_in(plan, op, OPERATOR_HELP, logs / "operator-help.log")
+    if "usage" not in helped.output.lower() or helped.written:
+        raise SystemExit(f"images: `python -m persia_operator --help` in {op}: {helped}")
     drift = {}
     for tag in (cpu, op):
         user = image_user(plan, tag)
         if user != f"{RUNTIME_UID}:{RUNTIME_UID}":
             raise SystemExit(f"images: {tag} runs as {user!r}, not {RUNTIME_UID}:{RUNTIME_UID}")
-    for name, freeze in (("runtime-cpu", cpu_freeze), ("operator", op_freeze)):
+    for name, freeze in (("runtime-cpu", demo.freeze), ("operator", helped.freeze)):
         (logs / f"{name}-pip-freeze.txt").write_text(freeze)
         lock = (REPO / "images" / "requirements" / f"{IMAGES[name].lock}.txt").read_text()
         drift[name] = freeze_drift(freeze, lock)
     print("\n==== images check")
     for name, s in seconds.items():
         print(f"build {name}: {s:.0f} s")
-    print(f"{cpu}: persia-launcher local (adult-income) in {demo_s:.0f} s, as uid {RUNTIME_UID}, "
+    print(f"{cpu}: persia-launcher local (adult-income) in {demo.seconds:.0f} s, as uid {RUNTIME_UID}, "
           f"nothing written outside /tmp: test AUC {result['auc']:.4f}, accuracy "
           f"{result['accuracy']:.4f}")
-    print(f"{op}: python -m persia_operator --help: {help_out.strip().splitlines()[0]}")
+    print(f"{op}: python -m persia_operator --help: {helped.output.strip().splitlines()[0]}")
     for name, missing in drift.items():
         print(f"{name}: pip freeze {'matches the lock' if not missing else f'differs: {missing}'}")
     for tag, size in image_sizes(plan, [cpu, op]).items():
@@ -412,13 +432,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--wheelhouse", action="append", default=[],
                         help="a directory holding torch's CPU wheel (also PIP_FIND_LINKS)")
     parser.add_argument("--mirror", default=DEBIAN_MIRROR)
+    parser.add_argument("--no-build", action="store_true", help="check: run the images already built")
     args = parser.parse_args(argv)
     if args.command == "lock":
         return lock(args)
     OUT.mkdir(parents=True, exist_ok=True)
     plan, context = setup(args)
     if args.command == "check":
-        return check(plan, context)
+        return check(plan, context, rebuild=not args.no_build)
     start = time.monotonic()
     build_images(plan, context, args.names or list(IMAGES))
     for tag, size in image_sizes(plan, [i.tag for i in IMAGES.values() if image_exists(plan, i.tag)]).items():

@@ -30,7 +30,7 @@ COPY operator/ operator/
 RUN pip wheel --no-deps --wheel-dir /dist . \
     && pip install --constraint images/requirements/operator.txt "$(ls /dist/persia_k8s-*.whl)[operator]" \
     && python -c "import importlib.util, persia_operator; assert importlib.util.find_spec('torch') is None" \
-    && mkdir -p /opt/persia && pip freeze > /opt/persia/pip-freeze.txt
+    && mkdir -p /opt/persia && pip freeze --all > /opt/persia/pip-freeze.txt
 
 # ---- the operator: Python and the venv; no compiler, no pip caches, no secrets.
 FROM ${BASE_IMAGE}

@@ -220,6 +220,9 @@ def test_build_commands():
     assert cmd[cmd.index("--volume") + 1] == "/etc/ssl/certs:/hostcerts:ro"
     assert cmd[cmd.index("-f") + 1] == "/ctx/images/operator.Dockerfile" and cmd[-1] == "/ctx"
     assert f"BASE_IMAGE={build.LOCAL_BASE}" in cmd
+    assert not any(a.startswith("TORCH_INDEX_URL=") for a in cmd)  # the operator has no torch
+    cmd = build.build_command(build.make_plan("buildah", "auto", True, ca), build.IMAGES["runtime-cpu"], ctx)
+    assert f"TORCH_INDEX_URL={build.PUBLIC_PYPI}" in cmd
     cmd = build.build_command(build.make_plan("docker", "auto", False, ca), build.IMAGES["runtime-cpu"], ctx)
     assert cmd == ["docker", "build", "-f", "/ctx/images/runtime-cpu.Dockerfile", "-t",
                    C.DEFAULT_CPU_IMAGE, "/ctx"]
