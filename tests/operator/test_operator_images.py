@@ -155,6 +155,17 @@ def test_installs_the_projects_own_wheel_with_its_extra_under_the_lock(name):
                 assert (REPO / source.rstrip("/")).exists(), f"{name}: COPY {source} does not exist"
 
 
+def test_dockerignore_sends_what_the_dockerfiles_copy():
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in lines  # everything not named below stays out
+    sent = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
+    for name in NAMES:
+        for op, args in instructions(name):
+            if op == "COPY" and not args.startswith("--from="):
+                for source in shlex.split(args)[:-1]:
+                    assert source.split("/")[0] in sent, f"{name}: COPY {source} is dockerignored"
+
+
 @pytest.mark.parametrize("lock, extra", [("runtime", "runtime"), ("operator", "operator")])
 def test_locks_pin_every_dependency_of_the_extra_except_torch(lock, extra):
     lines = [x for x in (IMAGES / "requirements" / f"{lock}.txt").read_text().splitlines()
