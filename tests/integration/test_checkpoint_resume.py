@@ -172,3 +172,15 @@ def test_sigterm_ends_after_a_whole_step_with_a_final_checkpoint(persia_env, tmp
         assert json.loads((final / "progress.json").read_text())["loaders"] == {"0": {"0": ctx.step}}
     assert signal.getsignal(signal.SIGTERM) is before
     del sender  # it stays blocked on batches nobody takes; the bus closes at teardown
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_error_line_not_the_end_of_training(persia_env, tmp_path,
+                                                                                      monkeypatch, caplog):
+    # the PS refuses to write outside its checkpoint root: every dump of this job fails
+    monkeypatch.setenv("PERSIA_CHECKPOINT_ROOT", str(tmp_path / "elsewhere"))
+    with cluster():
+        ctx = run_job(Model(), 4, tmp_path, checkpoint_interval_steps=2)
+    assert ctx.step == 4 and ctx.checkpoint_failures == 2 and ctx.last_checkpoint is None
+    assert not list((tmp_path / "ckpts").glob("ckpt-*"))
+    failed = [r.getMessage() for r in caplog.records if "checkpoint of step" in r.getMessage()]
+    assert len(failed) == 2 and "outside the checkpoint root" in failed[0], failed

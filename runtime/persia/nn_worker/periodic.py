@@ -125,6 +125,7 @@ class PeriodicCheckpointing:
         self.resumed_from: str | None = None
         self.last_checkpoint: dict | None = None
         self.checkpoint_seconds: list[float] = []  # how long each periodic checkpoint took
+        self.checkpoint_failures = 0
         self._trained_per_loader: dict[int, int] = {}
         self._resume_info: dict | None = None
         self._last_ckpt_step = 0
@@ -219,24 +220,31 @@ class PeriodicCheckpointing:
     # -- the cut ----------------------------------------------------------------------------------
     def save_checkpoint(self) -> dict | None:
         """Write and publish a checkpoint of the current step into ``checkpoint_dir`` (every rank
-        calls it at the same step). Returns the published marker on rank 0."""
+        calls it at the same step). Returns the published marker on rank 0, None when the write
+        failed (logged as an error and counted in ``checkpoint_failures``; training goes on)."""
         directory = self._ckpt_dir
         if directory is None:
             raise ValueError("save_checkpoint needs a checkpoint_dir (checkpointing_config, PERSIA_CHECKPOINT_DIR "
                              "or TrainCtx(checkpoint_dir=...))")
-        if self.last_checkpoint is not None and self.last_checkpoint["step"] == self.step:
-            return self.last_checkpoint  # this step is already published
+        if self.step == self._last_ckpt_step:  # the same on every rank, so all of them return here
+            return self.last_checkpoint  # nothing trained since the last one (or since the resume)
         t0 = time.monotonic()
         self._wait_for_updates()
         per_rank = self._gather_positions()
         marker = None
         if self.rank == 0:
-            marker = self._write_cut(directory, per_rank)
+            try:
+                marker = self._write_cut(directory, per_rank)
+            except Exception as exc:  # noqa: BLE001 - a full disk must not end days of training
+                self.checkpoint_failures += 1
+                log.error("checkpoint of step %d failed, training goes on (the last published checkpoint, %s, "
+                          "stands): %s: %s", self.step, (self.last_checkpoint or {}).get("path"),
+                          type(exc).__name__, exc)
         self._barrier()
         self._last_ckpt_step, self._last_ckpt_time = self.step, time.monotonic()
         elapsed = time.monotonic() - t0
-        self.checkpoint_seconds.append(elapsed)
         if marker is not None:
+            self.checkpoint_seconds.append(elapsed)
             log.info("checkpoint step %d published at %s (%.2fs)", self.step, marker["path"], elapsed)
         return marker
 
