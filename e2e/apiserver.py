@@ -198,7 +198,10 @@ class ApiServer(kmock.KubernetesEmulator):
             async with self.changed:
                 self.changed.notify_all()
 
-        asyncio.ensure_future(notify())
+        try:
+            asyncio.get_running_loop().create_task(notify())
+        except RuntimeError:
+            pass  # used without a server (pure tests): no watch to wake
 
     def _stamp(self, obj: dict[str, Any]) -> None:
         self.rv += 1

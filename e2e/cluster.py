@@ -62,6 +62,11 @@ class Cluster:
                 api.create(api.types[("", "v1", "namespaces")], None, {"metadata": {"name": ns}})
             self._ready.set()
             await self._stop.wait()
+            # End the open watch streams before the server and the loop go away.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
     def start(self) -> "Cluster":
         self._thread.start()

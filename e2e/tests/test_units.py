@@ -170,3 +170,29 @@ def test_strategic_merge_keeps_what_kubectl_apply_leaves_out():
     assert op["env"] == [{"name": "B", "value": "2"}, {"name": "C", "value": "3"}]
     assert side == {"name": "side", "image": "s"}
     assert out["metadata"]["finalizers"] == ["b"]
+
+
+def test_discovery_and_lists_as_kubectl_reads_them():
+    from e2e.apiserver import ApiServer
+
+    api = ApiServer()
+    core = api._discovery("/api/v1")
+    assert core["groupVersion"] == "v1"  # not "/v1", which kubectl's RESTMapper drops
+    api.create(api.types[("", "v1", "namespaces")], None, {"metadata": {"name": "default"}})
+    crd = {"metadata": {"name": "persiajobs.persia.com"}, "spec": {
+        "group": "persia.com", "scope": "Namespaced",
+        "names": {"plural": "persiajobs", "singular": "persiajob", "kind": "PersiaJob", "shortNames": ["pj"],
+                  "categories": ["persia"]},
+        "versions": [{"name": "v1", "served": True, "storage": True, "subresources": {"status": {}}}]}}  # fmt: skip
+    api.create(api.types[("apiextensions.k8s.io", "v1", "customresourcedefinitions")], None, crd)
+    main, status = api._discovery("/apis/persia.com/v1")["resources"]
+    assert (main["name"], main["singularName"], main["shortNames"], main["categories"]) == (
+        "persiajobs", "persiajob", ["pj"], ["persia"])
+    assert status["name"] == "persiajobs/status" and "shortNames" not in status and "categories" not in status
+    t = api.type_of("persia.com", "v1", "persiajobs")
+    a = api.create(t, "default", {"metadata": {"generateName": "job-"}, "spec": {"x": 1}})
+    assert a["metadata"]["name"].startswith("job-") and a["metadata"]["uid"] and a["metadata"]["generation"] == 1
+    b = api.patch(t, "default", a["metadata"]["name"], {"spec": {"x": 2}}, "application/merge-patch+json")
+    assert b["metadata"]["generation"] == 2 and int(b["metadata"]["resourceVersion"]) > int(a["metadata"]["resourceVersion"])
+    c = api.patch(t, "default", a["metadata"]["name"], {"status": {"phase": "Running"}}, "application/merge-patch+json")
+    assert "status" not in c  # the main resource does not write the status subresource
