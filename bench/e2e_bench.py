@@ -229,12 +229,15 @@ def _spec(s: SystemPlan, profile: Profile, data_dir: str, mlp: str, seed: int, t
     )
 
 
-def plan(profile: Profile, data_dir: str, systems: set[str] | None = None, parts: frozenset[str] = frozenset({"models", "latency"})) -> list[Planned]:
+def plan(profile: Profile, data_dir: str, systems: set[str] | None = None, parts: frozenset[str] = frozenset({"models", "latency"}),
+         models: set[str] | None = None) -> list[Planned]:
     """Every run, in execution order: per model, round r runs each system once with seed r, so
     the repeats of different systems interleave (drift in machine load hits all of them alike);
     then the latency runs, round r running torch once and every delay x system."""
     out: list[Planned] = []
     for model in profile.models if "models" in parts else ():
+        if models is not None and model.key not in models:
+            continue
         chosen = [s for s in model.systems if systems is None or s.system in systems]
         rounds = max((s.repeats or profile.repeats for s in chosen), default=0)
         for r in range(rounds):
@@ -339,6 +342,7 @@ def run_profile(
     systems: set[str] | None = None,
     log=print,
     only_latency: bool = False,
+    models: set[str] | None = None,
 ) -> dict[str, Any]:
     """Run the profile (or, with ``only_latency``, its latency part, merged into the runs.json
     already in ``results_dir``), write runs.json and the report."""
@@ -353,7 +357,7 @@ def run_profile(
     persia_reason = None
     launcher = None
     parts = frozenset({"latency"} if only_latency else {"models", "latency"})
-    planned = plan(profile, str(data_dir), systems, parts)
+    planned = plan(profile, str(data_dir), systems, parts, models)
     wants_persia = any(p.spec.system.startswith("persia") for p in planned)
     if wants_persia and (systems is None or any(s.startswith("persia") for s in systems)):
         persia_reason = launcher_unavailable_reason()
@@ -468,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help="dataset directory (default: <results>/data/<profile>)")
     p.add_argument("--systems", help="comma list to run only these: torch,torchrec,persia-hybrid,persia-sync")
     p.add_argument("--repeats", type=int, help="override the profile's repeats")
+    p.add_argument("--models", help="comma list of model groups to run (e.g. mlp400,mlp400_b1024); default all")
     p.add_argument("--only-latency", action="store_true",
                    help="only the latency runs (make bench-latency), merged into the existing runs.json")
     a = p.parse_args(argv)
@@ -491,7 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         results_dir, docs_dir = a.output_root / "results", a.output_root / "docs"
     else:
         results_dir, docs_dir = RESULTS_DIR, DOCS_DIR
-    run_profile(profile, results_dir, docs_dir, a.data_dir, systems, only_latency=a.only_latency)
+    models = {m.strip() for m in a.models.split(",") if m.strip()} if a.models else None
+    if models is not None and models - {m.key for m in profile.models}:
+        p.error(f"unknown --models {sorted(models - {m.key for m in profile.models})}; the profile has {[m.key for m in profile.models]}")
+    run_profile(profile, results_dir, docs_dir, a.data_dir, systems, only_latency=a.only_latency, models=models)
     return 0
 
 

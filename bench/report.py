@@ -268,11 +268,11 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
 
     w("### Sizes and time budget\n")
     w(
-        "`make bench` must finish in 20 minutes on 2 cores, PS benchmark included, so the sizes are set in "
-        "`bench/e2e_bench.py` (`PROFILES['full']`). The MLP-400 runs train long enough for the AUC "
-        "comparison to mean something: with few steps the hybrid-vs-sync gap is dominated by the first "
-        "few hundred steps, where Adagrad's steps are largest and a stale read costs most (see \"Where local "
-        "mode spends its time\" below); the FFNN, about 25 times more compute per sample, trains on fewer "
+        "`make bench` must finish in 30 minutes on 2 cores, PS benchmark and latency runs included, so the "
+        "sizes are set in `bench/e2e_bench.py` (`PROFILES['full']`). The MLP-400 runs train long enough for "
+        "the AUC comparison to mean something (1,563 steps); the 30-step group measures the same gap in a "
+        "short run, where Adagrad's large first steps make a stale read cost most; the batch-1024 group is "
+        "there for throughput (391 steps); the FFNN, about 25 times more compute per sample, trains on fewer "
         "rows and is there for throughput only. Other processes on the machine change throughput; the "
         "repeats are interleaved so that such load hits every system alike, and the *load* column says "
         "when it happened.\n"
