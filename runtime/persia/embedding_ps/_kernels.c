@@ -51,10 +51,12 @@
 #define PREFETCH_R(p) __builtin_prefetch((const void *)(p), 0, 3)
 #define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1, 3)
 #define STORE_RELAXED(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+#define LOAD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #else
 #define PREFETCH_R(p) ((void)0)
 #define PREFETCH_W(p) ((void)0)
 #define STORE_RELAXED(p, v) (*(p) = (v))
+#define LOAD_RELAXED(p) (*(p))
 #endif
 
 /* Optimizer codes: the checkpoint-header codes of optimizers.py (OPTIMIZER_CODES). */
@@ -341,7 +343,7 @@ static int locate_loop(const table_view *t, const locate_job *j, Py_ssize_t *mis
         if (r_ >= FIRST_ROW && r_ < t->nrows) {                                          \
             prefetch_span_r(t->rows + (size_t)r_ * (size_t)t->width, row_bytes);         \
             if (j->stamps)                                                               \
-                PREFETCH_W(j->stamps + r_);                                              \
+                PREFETCH_R(j->stamps + r_);                                              \
         }                                                                                \
     } while (0)
     for (Py_ssize_t i = 0; i < n && i < DIST1; i++)
@@ -364,7 +366,9 @@ static int locate_loop(const table_view *t, const locate_job *j, Py_ssize_t *mis
         if (found) {
             if (j->out)
                 memcpy(j->out + (size_t)i * (size_t)t->dim, t->rows + (size_t)r * (size_t)t->width, out_bytes);
-            if (j->stamps)
+            /* A row read again in this batch already carries the clock: leaving its line
+             * clean saves the write-back (a Zipf batch repeats its hot rows many times). */
+            if (j->stamps && LOAD_RELAXED(j->stamps + r) != j->clock)
                 STORE_RELAXED(j->stamps + r, j->clock);
         } else {
             misses++;
