@@ -429,14 +429,19 @@ def run_profile(
         "adult_income": adult,
         "total_seconds": time.perf_counter() - t0,
     }
+    report_docs: Path | None = docs_dir
     if only_latency:
+        if not (results_dir / "runs.json").is_file():
+            # the report would show every model as unmeasured: leave the docs to a full `make bench`
+            log(f"no earlier {results_dir / 'runs.json'}: latency figures go to e2e.json only, docs untouched")
+            report_docs = None
         doc = merge_latency(results_dir / "runs.json", doc)
     (results_dir / "runs.json").write_text(json.dumps(doc, indent=1, default=_jsonable) + "\n")
     from bench.report import write_report  # late: matplotlib only when reporting
 
-    headline = write_report(doc, docs_dir=docs_dir, results_dir=results_dir)
+    headline = write_report(doc, docs_dir=report_docs, results_dir=results_dir)
     doc["total_seconds"] = time.perf_counter() - t0
-    log(f"total {doc['total_seconds']:.0f}s; wrote {results_dir / 'e2e.json'} and {docs_dir / 'benchmarks.md'}")
+    log(f"total {doc['total_seconds']:.0f}s; wrote {results_dir / 'e2e.json'}" + (f" and {report_docs / 'benchmarks.md'}" if report_docs else ""))
     for k, v in headline.items():
         if k not in ("notes", "targets"):
             log(f"  {k} = {v}" + (f"  ({headline['notes'][k]})" if k in headline["notes"] else ""))

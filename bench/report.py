@@ -414,11 +414,14 @@ def render_latency(doc: dict[str, Any], summary: list[dict[str, Any]], hybrid_na
     return "\n".join(out)
 
 
-def write_report(doc: dict[str, Any], docs_dir: Path = DOCS_DIR, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+def write_report(doc: dict[str, Any], docs_dir: Path | None = DOCS_DIR, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+    """e2e.json, and (unless ``docs_dir`` is None) the generated block of benchmarks.md and the plots."""
     summary = summarize(doc["runs"])
     head = headline(summary, doc.get("adult_income"), *headline_labels(doc))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "e2e.json").write_text(json.dumps(head, indent=2, sort_keys=False) + "\n")
+    if docs_dir is None:
+        return head
     docs_dir.mkdir(parents=True, exist_ok=True)
     plot_all(summary, doc, docs_dir)
     path = docs_dir / "benchmarks.md"
