@@ -53,6 +53,18 @@ def test_tls_round_trip_and_plaintext_refused(certs):
         server.stop(None)
 
 
+def test_tls_server_name_override(certs, monkeypatch):
+    """PERSIA_GRPC_TLS_SERVER_NAME: clients verify that name instead of the dialled address."""
+    server, port = _echo_server(_tls(certs, ca=False, cert="server"))
+    try:
+        monkeypatch.setenv("PERSIA_GRPC_TLS_SERVER_NAME", "localhost")  # in the certificate
+        assert _call(port, _tls(certs))["echo"].tolist() == [0, 1, 2]
+        monkeypatch.setenv("PERSIA_GRPC_TLS_SERVER_NAME", "persia-grpc")  # not in it
+        _refused(port, _tls(certs))
+    finally:
+        server.stop(None)
+
+
 def test_mutual_tls_requires_a_client_certificate_from_the_ca(certs):
     server, port = _echo_server(_tls(certs, ca=True, cert="server"))
     try:
