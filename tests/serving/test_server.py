@@ -156,3 +156,24 @@ def test_readiness_follows_the_model_file(persia_env, tmp_path, trained):
         assert http(base + "/live")[0] == 200
         status, raw = http(base + "/v1/predict", probes[0].to_bytes(), "application/x-persia-batch")
         assert status == 503 and json.loads(raw)["kind"] == "unavailable"
+
+
+def test_persias_torchserve_handler_style_still_works(trained, monkeypatch):
+    """PERSIA's handler: InferCtx(get_embedding_worker_services()), get_embedding_from_bytes,
+    prepare_features, the jitted model (TorchServe itself is not installed here)."""
+    import torch
+
+    from persia.ctx import InferCtx
+    from persia.service import get_embedding_worker_services
+
+    ckpt, probes, expected = trained
+    with serving(ckpt, ckpt / "jit_dense.pt") as server:
+        monkeypatch.setenv("EMBEDDING_WORKER_SERVICE", server.predictor.ctx._workers[0].address)
+        model = torch.jit.load(str(ckpt / "jit_dense.pt"))
+        model.eval()
+        ctx = InferCtx(get_embedding_worker_services())
+        ctx.wait_for_serving()
+        non_id, emb, _ = ctx.prepare_features(ctx.get_embedding_from_bytes(probes[3].to_bytes()))
+        with torch.no_grad():
+            out = model(non_id, emb)
+        np.testing.assert_allclose(out.numpy(), expected[3], rtol=0, atol=1e-6)

@@ -115,6 +115,8 @@ def test_flags_and_env_to_config():
     assert cfg.embedding_workers == ["x:9"]
     with pytest.raises(ValidationError, match=r"embedding_workers\[0\] must be host:port"):
         ServeConfig(embedding_workers=["nohost"], model="m")
+    cfg = config_from_args(args, env={"EMBEDDING_WORKER_SERVICE": "ew-0:8887,ew-1:8887"})  # PERSIA's variable
+    assert cfg.embedding_workers == ["ew-0:8887", "ew-1:8887"]
     with pytest.raises(ValidationError, match="embedding_workers"):
         config_from_args(args, env={})
 

@@ -23,7 +23,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "env PERSIA_SERVE_MODEL")
     p.add_argument("--embedding-worker", action="append", default=None, dest="embedding_workers",
                    help="host:port of an inference embedding worker (repeat, or comma-separate); "
-                        "env PERSIA_SERVE_EMBEDDING_WORKERS")
+                        "env PERSIA_SERVE_EMBEDDING_WORKERS, else PERSIA's EMBEDDING_WORKER_SERVICE")
     p.add_argument("--http-port", type=int, default=int(_env("PERSIA_SERVE_HTTP_PORT", 8080)))
     p.add_argument("--grpc-port", type=int, default=int(_env("PERSIA_SERVE_GRPC_PORT", 8081)),
                    help="-1 disables gRPC")
@@ -39,9 +39,13 @@ def config_from_args(args, env=None):
     from persia.security import bind_address
     from persia.serving.config import ServeConfig
 
+    from persia.service import EMBEDDING_WORKER_SERVICE_ENV, parse_services
+
     env = os.environ if env is None else env
     workers = args.embedding_workers or [env.get("PERSIA_SERVE_EMBEDDING_WORKERS", "")]
     addresses = [a.strip() for item in workers for a in item.split(",") if a.strip()]
+    if not addresses and env.get(EMBEDDING_WORKER_SERVICE_ENV):  # PERSIA's variable (persia.service)
+        addresses = parse_services(env[EMBEDDING_WORKER_SERVICE_ENV], EMBEDDING_WORKER_SERVICE_ENV)
     return ServeConfig(
         embedding_workers=addresses, model=args.model or "", http_port=args.http_port,
         grpc_port=None if args.grpc_port < 0 else args.grpc_port, host=bind_address(env),
