@@ -170,16 +170,8 @@ class PeriodicCheckpointing:
                  time.monotonic() - t0)
 
     def _load_dense_only(self, path: Path) -> None:
-        from persia.nn_worker.checkpoint import check_optimizer_state
-
-        appliers = self._dense_loader(path, "dense.pt", None)
-        opt_path = path / "opt.pt"
-        if opt_path.exists():
-            state = torch.load(opt_path, map_location=self.device, weights_only=True)
-            check_optimizer_state(self.dense_optimizer, state, opt_path)
-            appliers.append(lambda: self.dense_optimizer.load_state_dict(state))
-        for fn in appliers:
-            fn()
+        for apply in self._dense_appliers(path, "dense.pt", "opt.pt", None):
+            apply()
 
     def _serve_checkpoint_subjects(self) -> list:
         """Rank 0 answers ``checkpoint.latest`` (CONTRACTS.md; the operator reads it)."""

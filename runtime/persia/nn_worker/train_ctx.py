@@ -278,13 +278,18 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         validated, and every PS replica has staged its rows, before anything live changes."""
         self._wait_for_updates()
         directory = self._local_dir(src_dir)
-        appliers = self._dense_loader(directory, dense_model_filename, map_location)
+        appliers = self._dense_appliers(directory, dense_model_filename, opt_filename, map_location)
+        self._load_all_or_nothing(directory, appliers, blocking)
+
+    def _dense_appliers(self, directory, dense_filename: str, opt_filename: str, map_location) -> list:
+        """Read and validate the dense model and optimizer files; returns what applies them."""
+        appliers = self._dense_loader(directory, dense_filename, map_location)
         opt_path = directory / opt_filename
         if opt_path.exists():
             opt_state = torch.load(opt_path, map_location=map_location or self.device, weights_only=True)
             check_optimizer_state(self.dense_optimizer, opt_state, opt_path)
             appliers.append(lambda: self.dense_optimizer.load_state_dict(opt_state))
-        self._load_all_or_nothing(directory, appliers, blocking)
+        return appliers
 
     def _exit(self, exc: BaseException | None) -> None:
         graceful = isinstance(exc, GracefulStop)
