@@ -29,6 +29,8 @@ def persia_env(nats_server, monkeypatch):
     """Point this test's PERSIA processes at the session's NATS under a job name of its own, with
     its credentials and a job secret of its own (so signed controls are exercised everywhere)."""
     from persia.bus import close_shared_bus
+    from persia.data_loader import stream as loader_stream
+    from persia.nn_worker import accounting
     from persia.security import new_secret
 
     job = f"t{os.getpid()}x{next(_job_counter)}"
@@ -40,5 +42,7 @@ def persia_env(nats_server, monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "REPLICA_INDEX", "REPLICA_SIZE"):
         monkeypatch.delenv(var, raising=False)
     close_shared_bus()
+    loader_stream.reset()  # each test plays a fresh data-loader process
+    accounting.reset()
     yield job
     close_shared_bus()

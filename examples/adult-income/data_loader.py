@@ -1,4 +1,7 @@
-"""Adult-income data loader: streams the training set to the embedding and NN workers."""
+"""Adult-income data loader: streams the training set to the embedding and NN workers.
+
+``EPOCHS=N`` streams it N times, one ``DataCtx`` per epoch (leaving a DataCtx ends an epoch; the
+stream ends when this process does)."""
 
 import os
 import sys
@@ -10,10 +13,12 @@ from persia.ctx import DataCtx  # noqa: E402
 from persia.env import get_replica_index, get_replica_size  # noqa: E402
 
 BATCH_SIZE = int(os.environ.get("BATCH_SIZE", 128))
+EPOCHS = int(os.environ.get("EPOCHS", 1))
 
 if __name__ == "__main__":
     train = read_split("train")
-    with DataCtx() as ctx:
-        for batch in batches(train, BATCH_SIZE, requires_grad=True,
-                             replica_index=get_replica_index(), replica_size=get_replica_size()):
-            ctx.send_data(batch)
+    for _epoch in range(EPOCHS):
+        with DataCtx() as ctx:
+            for batch in batches(train, BATCH_SIZE, requires_grad=True,
+                                 replica_index=get_replica_index(), replica_size=get_replica_size()):
+                ctx.send_data(batch)

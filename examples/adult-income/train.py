@@ -1,4 +1,7 @@
-"""Adult-income NN worker: one epoch of hybrid training, then test AUC (PERSIA's example)."""
+"""Adult-income NN worker: hybrid training, then test AUC (PERSIA's example).
+
+``EPOCHS=N`` trains N epochs and evaluates after each (one ``StreamingDataset(until="epoch")`` per
+epoch)."""
 
 import os
 import sys
@@ -27,6 +30,7 @@ REPRODUCIBLE = bool(int(os.environ.get("REPRODUCIBLE", 0)))
 EMBEDDING_STALENESS = int(os.environ.get("EMBEDDING_STALENESS", 10))
 CKPT_DIR = os.environ.get("PERSIA_CKPT_DIR")
 LOAD_CKPT_DIR = os.environ.get("PERSIA_LOAD_CKPT_DIR")
+EPOCHS = int(os.environ.get("EPOCHS", 1))
 
 
 class TestDataset(IterableDataset):
@@ -67,19 +71,28 @@ if __name__ == "__main__":
     ) as ctx:
         if LOAD_CKPT_DIR:
             ctx.load_checkpoint(LOAD_CKPT_DIR)
-        loader = DataLoader(StreamingDataset(10), reproducible=REPRODUCIBLE, embedding_staleness=EMBEDDING_STALENESS)
         start, samples, steps = time.monotonic(), 0, 0
-        for batch_idx, data in enumerate(loader):
-            output, labels = ctx.forward(data)
-            loss = loss_fn(output, labels[0])
-            ctx.backward(loss)
-            samples += labels[0].shape[0]
-            steps += 1
-            if batch_idx % 50 == 0:
-                logger.info("batch %d loss %.4f", batch_idx, loss.item())
-        ctx.wait_for_pending_updates()
+        epoch_aucs = []
+        for epoch in range(EPOCHS):
+            # one epoch per StreamingDataset, so the model is evaluated between epochs
+            stream = StreamingDataset(10, until="epoch" if EPOCHS > 1 else "stream")
+            loader = DataLoader(stream, reproducible=REPRODUCIBLE, embedding_staleness=EMBEDDING_STALENESS)
+            for batch_idx, data in enumerate(loader):
+                output, labels = ctx.forward(data)
+                loss = loss_fn(output, labels[0])
+                ctx.backward(loss)
+                samples += labels[0].shape[0]
+                steps += 1
+                if batch_idx % 50 == 0:
+                    logger.info("batch %d loss %.4f", batch_idx, loss.item())
+            ctx.wait_for_pending_updates()
+            if EPOCHS > 1:
+                epoch_aucs.append(round(test(model)["auc"], 6))
+                logger.info("epoch %d: test AUC %.4f", epoch, epoch_aucs[-1])
         elapsed = time.monotonic() - start
         result = test(model)
+        if epoch_aucs:
+            result["epoch_aucs"] = epoch_aucs
         # after a restart (PERSIA_CHECKPOINT_DIR set) training resumed at ctx.start_step
         result.update(train_samples=samples, train_steps=steps, start_step=ctx.start_step,
                       samples_per_sec=samples / max(elapsed, 1e-9), rank=get_rank() or 0,

@@ -91,6 +91,8 @@ class Batch(_Msg):
 
     batch_id: Index
     loader: Index = 0
+    session: str | None = Field(default=None, max_length=64)  # the sending loader process's
+    epoch: Index = 0
     ref: Index
     worker: Index
     requires_grad: bool = True
@@ -100,12 +102,23 @@ class Batch(_Msg):
 
 
 class EndOfStream(_Msg):
-    """``nn.eos.<rank>``: a data loader is done; it sent ``sent`` batches to this rank."""
+    """``nn.eos.<rank>``: a data loader ended an epoch (it sent ``sent`` batches of it to this rank)
+    or, with ``final``, its whole stream; ``failed`` says it broke off, ``failed_sends`` counts its
+    sends that were never acknowledged, by reason."""
 
     loader: Index
     loader_size: Annotated[int, Field(ge=1, le=1 << 20)]
     sent: Index
-    failed: str | None = None
+    epoch: Index = 0
+    final: bool = True
+    failed: str | None = Field(default=None, max_length=4096)
+    failed_sends: Annotated[dict[Annotated[str, Field(max_length=64)], Index], Field(max_length=64)] = {}
+
+
+class TrainerDone(_Msg):
+    """``nn.done`` events: an NN rank left its TrainCtx (loaders stop waiting to tell it things)."""
+
+    rank: Index
 
 
 class Progress(_Msg):

@@ -15,6 +15,8 @@ import numpy as np
 import yaml
 
 RESULT_PREFIX = "PERSIA_RESULT "
+RESULT_EXTRAS: list = []
+"""Callables returning more fields for the result line; role packages register theirs."""
 
 
 _embedding_seed: int | None = None
@@ -115,6 +117,9 @@ def advertise_host() -> str:
 
 
 def report_result(**metrics: Any) -> None:
-    """Print the run's headline metrics as one machine-readable line (read by the local launcher)."""
+    """Print the run's headline metrics as one machine-readable line (read by the local launcher),
+    with what the roles in this process add (the NN worker: its batch accounting)."""
+    for extra in RESULT_EXTRAS:
+        metrics = {**extra(), **metrics}
     print(RESULT_PREFIX + json.dumps(metrics, sort_keys=True), flush=True)
     sys.stdout.flush()

@@ -100,3 +100,31 @@ def test_ctrl_c_tears_every_role_down(tmp_path):
         # a zombie is not a running process; anything else is a leak
         with open(f"/proc/{pid}/stat") as f:
             assert f.read().split()[2] == "Z", f"role pid {pid} still running"
+
+
+def test_several_epochs_with_evaluation_between(tmp_path):
+    # a DataCtx per epoch in the loader, a StreamingDataset(until="epoch") per epoch in the trainer
+    result, out = run_local(tmp_path, env_extra=["EPOCHS=2"])
+    assert result["batches_sent"] == result["batches_trained"] == result["train_steps"] == 510
+    assert result["batches_failed"] == {}
+    assert len(result["epoch_aucs"]) == 2 and result["auc"] >= 0.90
+    assert "every acknowledged batch accounted for" in out
+
+
+def test_persia_style_epochs_train_every_batch(tmp_path):
+    # PERSIA's users: a DataCtx per epoch in the loader, ONE DataLoader in the trainer. Every epoch
+    # is trained (the stream ends when the loader process does), not just the first.
+    loader = tmp_path / "two_epochs.py"
+    loader.write_text(
+        "import os, runpy\nos.environ['EPOCHS'] = '2'\n"
+        f"runpy.run_path({str(EXAMPLE / 'data_loader.py')!r}, run_name='__main__')\n")
+    result_file = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(EXAMPLE / "train.py"),
+         "--data-loader", str(loader), "--embedding-config", str(EXAMPLE / "config" / "embedding_config.yml"),
+         "--global-config", str(EXAMPLE / "config" / "global_config.yml"), "--no-progress",
+         "--result-file", str(result_file)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    result = json.loads(result_file.read_text())
+    assert result["train_steps"] == result["batches_trained"] == 510, result

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from persia.ctx import DataCtx, TrainCtx, eval_ctx
+from persia.data_loader import stream as loader_stream
+from persia.data_loader.stream import end_of_stream
 from persia.data import DataLoader, IterableDataset, StreamingDataset
 from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad
@@ -51,11 +53,14 @@ class Model(torch.nn.Module):
 
 
 def send_in_thread(batches, errors):
+    loader_stream.reset()  # each call plays a new data-loader process
+
     def run():
         try:
             with DataCtx() as ctx:
                 for b in batches:
                     ctx.send_data(b)
+            end_of_stream()  # this "data loader" is a thread: its process does not end here
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 

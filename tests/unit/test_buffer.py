@@ -38,3 +38,15 @@ def test_refs_are_unique():
     buf = ExpiringBuffer("fb", capacity_per_owner=1000, expired_sec=100, clock=Clock())
     refs = {buf.put(i % 7, i) for i in range(500)}
     assert len(refs) == 500
+
+
+def test_varying_owner_ids_cannot_grow_the_buffer_past_its_total():
+    # a sender that invents a new loader id per batch used to grow the buffer without bound
+    buf = ExpiringBuffer("fb", capacity_per_owner=10, expired_sec=100, clock=Clock(), capacity_total=10)
+    refs = [buf.put(owner, owner) for owner in range(2500)]
+    assert sum(r is not None for r in refs) == 10 and len(buf) == 10
+    assert all(r is None for r in refs[10:])  # "busy": the senders retry
+    for r in refs[:10]:
+        buf.take(r)
+    assert len(buf) == 0 and buf._per_owner == {}  # no count kept for owners holding nothing
+    assert buf.put(4000, "x") is not None

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-import secrets
+import time
+
+import nats.errors
 
 from persia import env
 from persia.bus import NatsBus, shared_bus, subject
@@ -11,7 +13,9 @@ from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.resume import StreamPosition, position_from_info
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
-from persia.errors import PersiaError
+from persia.data_loader import stream as loader_stream
+from persia import messages as M
+from persia.errors import BusyError, PersiaError
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +63,19 @@ class DataCtx(BaseCtx):
         self.world_size = int(nn["world_size"])
         self.resume_position = _process_position(nn.get("resume"), self.replica_index, self.world_size)
         self.skipped = 0
-        self._counter = 0
-        # Batch ids restart at 0 in every DataCtx (a second epoch, a restarted loader): the session
-        # keeps the worker from taking a new batch for a retry of an old one with the same id.
-        self._session = secrets.token_hex(8)
-        self._sent_per_rank = [0] * self.world_size
+        self._stream = loader_stream.current()
+        if self._stream.ended:
+            raise PersiaError("this data loader already ended its stream (end_of_stream()); "
+                              "open every DataCtx before that")
         self._closed = False
-        log.info("data loader %d/%d: %d embedding workers, NN world size %d",
-                 self.replica_index, self.replica_size, self.num_embedding_workers, self.world_size)
+        loader_stream.set_finisher(self._send_end_of_stream)
+        if not self._stream.watching_trainers:
+            self._stream.watching_trainers = True
+            self.bus.subscribe_events(subject("nn", "done"), lambda m: self._stream.trainers_done.add(m["rank"]),
+                                      schema=M.TrainerDone)
+        log.info("data loader %d/%d: %d embedding workers, NN world size %d (epoch %d)",
+                 self.replica_index, self.replica_size, self.num_embedding_workers, self.world_size,
+                 self._stream.epoch)
 
     def send_data(self, persia_batch: PersiaBatch) -> None:
         if self._closed:
@@ -75,51 +84,74 @@ class DataCtx(BaseCtx):
             raise TypeError(f"send_data expects a PersiaBatch, got {type(persia_batch).__name__}")
         if persia_batch.batch_id is not None:
             raise PersiaError(f"this PersiaBatch was already sent (batch_id {persia_batch.batch_id})")
-        batch_id = self._counter * self.replica_size + self.replica_index
-        worker = (self._counter + self.replica_index) % self.num_embedding_workers
+        # The id is spent even if a leg fails below: a retried batch gets a new one, so nobody ever
+        # answers it with another batch's buffered features.
+        batch_id = self._stream.next_id(self.replica_index, self.replica_size)
+        worker = (batch_id // self.replica_size + self.replica_index) % self.num_embedding_workers
         rank = batch_id % self.world_size
         if self.resume_position is not None and self.resume_position.skip(rank):
             # trained before the restart (the checkpoint's position): keep its batch id, send nothing
             persia_batch.batch_id = batch_id
-            self._counter += 1
             self.skipped += 1
             return
-        ref = self.bus.request_retry(
-            subject("ew", "forward", worker),
-            {
-                "loader": self.replica_index,
-                "session": self._session,
-                "batch_id": batch_id,  # lets the worker recognise a retried send
-                "batch_size": persia_batch.batch_size,
-                "requires_grad": persia_batch.requires_grad,
-                "features": id_features_to_wire(persia_batch),
-            },
-            deadline_s=self.send_deadline_s,
-            what=f"sending ID features of batch {batch_id} to embedding worker {worker}",
-        )
-        self.bus.request_retry(
-            subject("nn", "batch", rank),
-            {
-                "batch_id": batch_id,
-                "loader": self.replica_index,
-                "ref": ref["ref"],
-                "worker": ref["worker"],
-                "requires_grad": persia_batch.requires_grad,
-                "non_id": _named_arrays(persia_batch.non_id_type_features),
-                "labels": _named_arrays(persia_batch.labels),
-                "meta": persia_batch.meta,
-            },
-            deadline_s=self.send_deadline_s,
-            what=f"sending batch {batch_id} to NN rank {rank}",
-        )
+        try:
+            ref = self.bus.request_retry(
+                subject("ew", "forward", worker),
+                {
+                    "loader": self.replica_index,
+                    "batch_id": batch_id,  # with the session: lets the worker recognise a retried send
+                    "session": self._stream.session,
+                    "batch_size": persia_batch.batch_size,
+                    "requires_grad": persia_batch.requires_grad,
+                    "features": id_features_to_wire(persia_batch),
+                },
+                deadline_s=self.send_deadline_s,
+                what=f"sending ID features of batch {batch_id} to embedding worker {worker}",
+            )
+        except Exception as exc:
+            self._failed("id_features", batch_id, exc)
+            raise
+        try:
+            self.bus.request_retry(
+                subject("nn", "batch", rank),
+                {
+                    "batch_id": batch_id,
+                    "loader": self.replica_index,
+                    "session": self._stream.session,
+                    "epoch": self._stream.epoch,
+                    "ref": ref["ref"],
+                    "worker": ref["worker"],
+                    "requires_grad": persia_batch.requires_grad,
+                    "non_id": _named_arrays(persia_batch.non_id_type_features),
+                    "labels": _named_arrays(persia_batch.labels),
+                    "meta": persia_batch.meta,
+                },
+                deadline_s=self.send_deadline_s,
+                what=f"sending batch {batch_id} to NN rank {rank}",
+            )
+        except Exception as exc:
+            self._failed("dense", batch_id, exc)
+            self._release(worker, ref["ref"])  # its ID features wait on the worker for nobody
+            raise
         persia_batch.batch_id = batch_id
-        self._counter += 1
-        self._sent_per_rank[rank] += 1
+        self._stream.acknowledged(rank)
+
+    def _failed(self, leg: str, batch_id: int, exc: Exception) -> None:
+        reason = f"send_{leg}"
+        with self._stream.lock:
+            self._stream.failed[reason] += 1
+        log.error("batch %d not sent (%s: %s); it is counted as failed (%s)", batch_id, type(exc).__name__, exc, reason)
+
+    def _release(self, worker: int, ref: int) -> None:
+        try:
+            self.bus.request(subject("ew", "release", worker), {"refs": [int(ref)]}, timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - the worker's buffer expires it anyway, with a count
+            log.warning("could not release batch ref %d on embedding worker %d: %s", ref, worker, exc)
 
     @property
     def sent(self) -> int:
-        """Batches this context sent (not those it skipped on resume)."""
-        return self._counter - self.skipped
+        """Batches this process sent and had acknowledged (not those skipped on resume)."""
+        return self._stream.sent_total
 
     @property
     def start_batch(self) -> int:
@@ -127,19 +159,52 @@ class DataCtx(BaseCtx):
         job). ``send_data`` skips them by itself; a loader that can seek may skip them instead."""
         return self.resume_position.total if self.resume_position is not None else 0
 
+    def _tell_ranks(self, message_for, what: str, best_effort: bool) -> None:
+        """Send ``message_for(rank)`` to every NN rank's end-of-stream subject. ``best_effort``
+        (end of stream, failures): a trainer that no longer listens has nothing left to learn."""
+        for rank in range(self.world_size):
+            subj = subject("nn", "eos", rank)
+            if not best_effort:
+                self.bus.request_retry(subj, message_for(rank), deadline_s=self.send_deadline_s,
+                                       what=f"{what} to NN rank {rank}")
+                continue
+            # Nobody answering may be a trainer between two per-epoch datasets (back in moments)
+            # or one that finished training (it says so on nn.done): wait for either, 30 s at most.
+            end = time.monotonic() + 30.0
+            while rank not in self._stream.trainers_done:
+                try:
+                    self.bus.request(subj, message_for(rank), timeout=2.0)
+                    break
+                except (BusyError, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                    if time.monotonic() > end:
+                        log.warning("NN rank %d did not take the %s: %s", rank, what, type(exc).__name__)
+                        break
+                    time.sleep(0.05)
+                except Exception as exc:  # noqa: BLE001 - NATS gone: nobody left to tell
+                    log.warning("NN rank %d did not take the %s: %s", rank, what, exc)
+                    break
+
+    def _send_end_of_stream(self) -> None:
+        s = self._stream
+        message = {"loader": self.replica_index, "loader_size": self.replica_size, "epoch": s.epoch, "sent": 0,
+                   "final": True, "failed_sends": dict(s.failed)}
+        self._tell_ranks(lambda _rank: message, "end of stream", best_effort=True)
+        log.info("data loader %d: end of stream after %d epochs, %d batches acknowledged, failed sends %s",
+                 self.replica_index, s.epoch, s.sent_total, dict(s.failed) or "none")
+
     def close(self, failure: str | None = None) -> None:
+        """End this epoch (or, with ``failure``, the whole stream, so the trainer stops and says why)."""
         if self._closed:
             return
         self._closed = True
-        for rank in range(self.world_size):
-            self.bus.request_retry(
-                subject("nn", "eos", rank),
-                {"loader": self.replica_index, "loader_size": self.replica_size,
-                 "sent": self._sent_per_rank[rank], "failed": failure},
-                deadline_s=self.send_deadline_s,
-                what=f"end-of-stream to NN rank {rank}",
-            )
-        log.info("data loader %d sent %d batches%s", self.replica_index, self._counter - self.skipped,
+        epoch, sent = self._stream.end_epoch()
+        message = {"loader": self.replica_index, "loader_size": self.replica_size, "epoch": epoch,
+                   "final": failure is not None, "failed": failure, "failed_sends": dict(self._stream.failed)}
+        self._tell_ranks(lambda rank: dict(message, sent=sent.get(rank, 0)), f"end of epoch {epoch}",
+                         best_effort=failure is not None)
+        if failure is not None:
+            self._stream.ended = True
+        log.info("data loader %d: epoch %d done, %d batches%s", self.replica_index, epoch, sum(sent.values()),
                  f" (skipped {self.skipped} trained before the restart)" if self.skipped else "")
 
     def _exit(self, exc: BaseException | None) -> None:

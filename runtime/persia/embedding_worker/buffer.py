@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 
 class ExpiringBuffer:
-    """``ref -> item`` in insertion order, per-owner capacity, age-based expiry."""
+    """``ref -> item`` in insertion order, per-owner and total capacity, age-based expiry."""
 
     def __init__(
         self,
@@ -23,11 +23,15 @@ class ExpiringBuffer:
         capacity_per_owner: int,
         expired_sec: float,
         clock: Callable[[], float] = time.monotonic,
+        capacity_total: int | None = None,
     ):
         if capacity_per_owner < 1:
             raise ValueError(f"{name}: capacity must be >= 1, got {capacity_per_owner}")
+        if capacity_total is not None and capacity_total < 1:
+            raise ValueError(f"{name}: total capacity must be >= 1, got {capacity_total}")
         self.name = name
         self.capacity = capacity_per_owner
+        self.capacity_total = capacity_total
         self.expired_sec = expired_sec
         self._clock = clock
         self._lock = threading.Lock()
@@ -46,7 +50,7 @@ class ExpiringBuffer:
             if now - t < self.expired_sec:
                 break
             self._items.popitem(last=False)
-            self._per_owner[owner] -= 1
+            self._forget_one(owner)
             dropped += 1
         if dropped:
             self.expired += dropped
@@ -55,12 +59,22 @@ class ExpiringBuffer:
                 self.name, dropped, self.expired_sec, self.expired,
             )
 
+    def _forget_one(self, owner: int) -> None:
+        left = self._per_owner[owner] - 1
+        if left:
+            self._per_owner[owner] = left
+        else:  # no count kept for owners that hold nothing (ids are chosen by senders)
+            del self._per_owner[owner]
+
     def put(self, owner: int, item: Any, ref: int | None = None) -> int | None:
-        """Store ``item``; returns its ref, or None when ``owner`` already holds ``capacity`` items."""
+        """Store ``item``; returns its ref, or None when ``owner`` already holds ``capacity`` items
+        or the buffer holds ``capacity_total``."""
         now = self._clock()
         with self._lock:
             self._expire_locked(now)
             if self._per_owner.get(owner, 0) >= self.capacity:
+                return None
+            if self.capacity_total is not None and len(self._items) >= self.capacity_total:
                 return None
             if ref is None:
                 ref = self._next_ref
@@ -77,7 +91,7 @@ class ExpiringBuffer:
                     f"{self.name}: ref {ref} not found (never sent here, already consumed, or expired "
                     f"after {self.expired_sec:.0f}s; {self.expired} expired so far)"
                 )
-            self._per_owner[entry[1]] -= 1
+            self._forget_one(entry[1])
             return entry[2]
 
     def expire(self) -> None:

@@ -87,7 +87,9 @@ class EmbeddingWorker:
         self.slots = slot_specs(embedding_config)
         self.prefix_bit = embedding_config.feature_index_prefix_bit
         wc = global_config.embedding_worker_config
-        self.forward_buffer = ExpiringBuffer("forward buffer", wc.forward_buffer_size, wc.buffered_data_expired_sec)
+        # Bounded per data loader and in total: a sender that varies its loader id gets "busy" too.
+        self.forward_buffer = ExpiringBuffer("forward buffer", wc.forward_buffer_size, wc.buffered_data_expired_sec,
+                                             capacity_total=wc.forward_buffer_size)
         # One post-forward entry per in-flight training batch; bounded by staleness on the NN side,
         # so a generous cap only guards against a runaway client.
         self.post_buffer = ExpiringBuffer("post-forward buffer", 1 << 20, wc.buffered_data_expired_sec)
@@ -126,6 +128,8 @@ class EmbeddingWorker:
         bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False, schema=M.Forward)
+        # a data loader whose batch never reached its NN rank hands the ID features back
+        bus.serve(subject("ew", "release", self.replica_index), self.release, blocking=False, schema=M.WorkerRelease)
         bus.flush()
 
     def on_forward(self, req: dict) -> Any:

@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from persia import messages as M
 from persia.bus import BUSY, subject
 from persia.data_loader.batch import PersiaBatch
+from persia import messages as M
 from persia.errors import DataLoaderFailed, PersiaError
+from persia.nn_worker.accounting import ACCOUNT
 
 log = logging.getLogger(__name__)
 
@@ -22,106 +26,190 @@ class IterableDatasetBase:
         self.buffer_size = buffer_size
 
 
+@dataclass
+class _RankStream:
+    """What this NN rank has seen of the data loaders' stream, across every StreamingDataset the
+    process iterates (one for the whole stream, or one per epoch)."""
+
+    loader_size: int | None = None
+    sent: Counter = field(default_factory=Counter)  # (loader, epoch) -> batches announced
+    received: Counter = field(default_factory=Counter)  # (loader, epoch) -> batches arrived
+    epochs_ended: dict[int, set] = field(default_factory=dict)
+    final: set = field(default_factory=set)  # loaders whose stream ended
+    seen: set = field(default_factory=set)  # (loader, session, batch_id) arrived: a retried send is trained once
+    next_epoch: int = 0  # the epoch the next per-epoch view iterates
+    carry: list = field(default_factory=list)  # batches of a later epoch, left by a per-epoch view
+
+    def all_final(self) -> bool:
+        return self.loader_size is not None and len(self.final) == self.loader_size
+
+    def stream_done(self) -> bool:
+        return self.all_final() and sum(self.received.values()) >= sum(self.sent.values())
+
+    def epoch_done(self, epoch: int) -> bool:
+        if self.loader_size is None:
+            return False
+        loaders = range(self.loader_size)
+        if not all(epoch in self.epochs_ended.get(l, ()) or l in self.final for l in loaders):
+            return False
+        return all(self.received[(l, epoch)] >= self.sent[(l, epoch)] for l in loaders)
+
+
+def _stream_state(rank: int, owner) -> _RankStream:
+    """The rank's stream state, kept by ``owner``, the outermost NN-worker context: one training
+    session (a TrainCtx and the eval_ctx/DataLoaders inside it) sees one stream."""
+    streams = owner.__dict__.setdefault("_rank_streams", {}) if owner is not None else {}
+    return streams.setdefault(rank, _RankStream())
+
+
 class StreamingDataset(IterableDatasetBase):
-    """Batches sent by data loaders over NATS to this NN rank, until every loader says "done".
+    """Batches sent by data loaders over NATS to this NN rank.
+
+    ``until="stream"`` (default, PERSIA's behaviour): every batch, over every epoch, until each data
+    loader has ended its stream (its process finished: ``persia.data_loader.end_of_stream``).
+    ``until="epoch"``: the batches of one epoch (each data loader leaving one ``DataCtx``), so a
+    trainer can evaluate between epochs by iterating a new ``StreamingDataset`` per epoch; batches of
+    the next epoch that arrive early wait for it.
 
     A full buffer answers "busy" (after waiting up to ``busy_wait_s``) and the loader retries:
-    back-pressure, never loss. The stream ends when every data loader has sent its end-of-stream
-    message and every batch it announced has arrived.
+    back-pressure, never loss.
     """
 
-    def __init__(self, buffer_size: int = 10, busy_wait_s: float = 0.5):
+    def __init__(self, buffer_size: int = 10, busy_wait_s: float = 0.5, until: str = "stream"):
         super().__init__(buffer_size)
+        if until not in ("stream", "epoch"):
+            raise ValueError(f"until must be 'stream' or 'epoch', got {until!r}")
         self.busy_wait_s = busy_wait_s
+        self.until = until
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
-        self._registered = False
         self._lock = threading.Lock()
-        self._eos: dict[int, dict] = {}
-        self._loader_size: int | None = None
-        self._received: dict[int, int] = {}
-        self._seen: set[tuple[int, int]] = set()
+        self._closed = False
+        self._subs: list = []
         self.received_total = 0
+        self.epoch: int | None = None
+        self._state = _RankStream()  # replaced by the session's when iteration starts
 
-    def _register(self, bus, rank: int) -> None:
-        with self._lock:
-            if self._registered:
-                return
-            self._subs = [
-                bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch),
-                bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
-            ]
-            bus.flush()
-            self._registered = True
+    def _register(self, bus, rank: int, owner) -> _RankStream:
+        state = self._state = _stream_state(rank, owner)
+        self._subs = [
+            bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch),
+            bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
+        ]
+        bus.flush()
+        return state
 
-    def _unregister(self, bus) -> None:
-        """A finished stream stops answering, so a later StreamingDataset in this process gets
-        the next stream's batches (NATS would otherwise fan them out to both)."""
-        for sub in getattr(self, "_subs", []):
+    def _close(self, bus, state: _RankStream) -> None:
+        """Stop answering (a later StreamingDataset of this process takes over); whatever arrived
+        but was not consumed is kept for it, so an acknowledged batch is never dropped here."""
+        for sub in self._subs:
             bus.unsubscribe(sub)
         self._subs = []
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    state.carry.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+
+    def _offer(self, item: tuple) -> bool:
+        end = time.monotonic() + self.busy_wait_s
+        while True:
+            with self._lock:
+                if self._closed:
+                    return False
+                try:
+                    self._queue.put_nowait(item)
+                    return True
+                except queue.Full:
+                    pass
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.005)
 
     def _on_batch(self, msg: dict) -> Any:
-        key = (int(msg.get("loader", 0)), int(msg["batch_id"]))
+        # a restarted data loader counts its ids from 0 again: its session tells its batches apart
+        key = (int(msg.get("loader", 0)), msg.get("session"), int(msg["batch_id"]))
         with self._lock:
-            if key in self._seen:  # a retried send whose first reply was lost: train it once
+            if key in self._state.seen:  # a retried send whose first reply was lost: train it once
                 return {"queued": True, "duplicate": True}
-            self._seen.add(key)
-        try:
-            self._queue.put(("batch", msg), timeout=self.busy_wait_s)
-        except queue.Full:
-            with self._lock:
-                self._seen.discard(key)
-            return BUSY
-        return {"queued": True}
+            self._state.seen.add(key)
+        if self._offer(("batch", msg)):
+            return {"queued": True}
+        with self._lock:
+            self._state.seen.discard(key)
+        return BUSY
 
     def _on_eos(self, msg: dict) -> Any:
         # Checked here so a bad one is refused to its sender instead of stopping the trainer.
         if msg["loader"] >= msg["loader_size"]:
             raise ValueError(f"end of stream: loader {msg['loader']} out of range for loader_size {msg['loader_size']}")
         # Goes through the same queue so it is seen after every batch that loader sent before it.
+        return {"ack": True} if self._offer(("eos", msg)) else BUSY
+
+    def source(self, bus, rank: int, timeout_s: float, owner=None) -> Iterator[dict]:
+        """Messages in arrival order, until the stream (or this epoch) ends. ``owner``: the
+        context whose training session this is (the stream's state lives with it)."""
+        state = self._register(bus, rank, owner)
+        if self.until == "epoch":
+            self.epoch = state.next_epoch
+        pending, state.carry = state.carry, []
         try:
-            self._queue.put(("eos", msg), timeout=self.busy_wait_s)
-        except queue.Full:
-            return BUSY
-        return {"ack": True}
-
-    def source(self, bus, rank: int, timeout_s: float) -> Iterator[dict]:
-        """Messages in arrival order; ends after the last loader's end-of-stream."""
-        self._register(bus, rank)
-        while True:
-            if self._loader_size is not None and len(self._eos) == self._loader_size:
-                expected = sum(int(e["sent"]) for e in self._eos.values())
-                if self.received_total >= expected:
-                    self._unregister(bus)
-                    return
-            try:
-                kind, msg = self._queue.get(timeout=timeout_s)
-            except queue.Empty:
-                waiting = (
-                    "no data loader has connected"
-                    if self._loader_size is None
-                    else f"data loaders {sorted(set(range(self._loader_size)) - set(self._eos))} "
-                    f"have not finished; {self.received_total} batches received"
-                )
-                raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:.0f}s ({waiting})") from None
-            if kind == "batch":
+            while not self._finished(state):
+                if pending:
+                    kind, msg = pending.pop(0)
+                else:
+                    try:
+                        kind, msg = self._queue.get(timeout=timeout_s)
+                    except queue.Empty:
+                        raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:.0f}s ({self._waiting(state)})") from None
+                if kind == "eos":
+                    self._on_end(state, msg)
+                    continue
+                epoch = int(msg.get("epoch", 0))
+                if self.epoch is not None and epoch > self.epoch:
+                    state.carry.append((kind, msg))  # the next epoch's: its own view yields it
+                    continue
+                state.received[(int(msg.get("loader", 0)), epoch)] += 1
                 self.received_total += 1
-                loader = int(msg.get("loader", 0))
-                self._received[loader] = self._received.get(loader, 0) + 1
+                ACCOUNT.add("received")
                 yield msg
-            else:
-                loader = int(msg["loader"])
-                if msg.get("failed"):
-                    raise DataLoaderFailed(f"data loader {loader} failed: {msg['failed']}")
-                size = int(msg["loader_size"])
-                if self._loader_size is not None and self._loader_size != size:
-                    raise PersiaError(f"data loaders disagree on their replica size: {self._loader_size} vs {size}")
-                self._loader_size = size
-                self._eos[loader] = msg
-                log.info("data loader %d/%d finished: %s batches for this rank", loader, size, msg["sent"])
+        finally:
+            state.carry = pending + state.carry
+            self._close(bus, state)
+        if self.epoch is not None:
+            state.next_epoch = self.epoch + 1
 
-    def eos_info(self) -> dict[int, dict]:
-        return dict(self._eos)
+    def _finished(self, state: _RankStream) -> bool:
+        if self.epoch is None:
+            return state.stream_done()
+        if state.epoch_done(self.epoch):
+            return True
+        return False
+
+    def _on_end(self, state: _RankStream, msg: dict) -> None:
+        loader, size, epoch = int(msg["loader"]), int(msg["loader_size"]), int(msg.get("epoch", 0))
+        if msg.get("failed"):
+            raise DataLoaderFailed(f"data loader {loader} failed: {msg['failed']}")
+        if state.loader_size is not None and state.loader_size != size:
+            raise PersiaError(f"data loaders disagree on their replica size: {state.loader_size} vs {size}")
+        state.loader_size = size
+        state.sent[(loader, epoch)] += int(msg["sent"])
+        ACCOUNT.add("sent", int(msg["sent"]))
+        ACCOUNT.loader_failed_sends(loader, msg.get("failed_sends") or {})
+        if msg.get("final", True):
+            state.final.add(loader)
+            log.info("data loader %d/%d ended its stream", loader, size)
+        else:
+            state.epochs_ended.setdefault(loader, set()).add(epoch)
+            log.info("data loader %d/%d ended epoch %d: %s batches for this rank", loader, size, epoch, msg["sent"])
+
+    @staticmethod
+    def _waiting(state: _RankStream) -> str:
+        if state.loader_size is None:
+            return "no data loader has connected"
+        missing = sorted(set(range(state.loader_size)) - state.final)
+        return f"data loaders {missing} have not ended their stream; {sum(state.received.values())} batches received"
 
     def __iter__(self):
         raise TypeError("StreamingDataset is consumed through persia.data.DataLoader, not iterated directly")

@@ -19,8 +19,9 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
-from persia.context import cnt_ctx
+from persia.context import cnt_ctx, ctx_stack
 from persia.errors import ContextRequired
+from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
 from persia.nn_worker.reorder import _reordered
@@ -84,6 +85,9 @@ class _LoaderIterator:
         self._stop = threading.Event()
         self._done = False
         self.streaming = isinstance(loader.dataset, StreamingDataset)
+        # the outermost NN-worker context of this thread: a TrainCtx and the eval_ctx inside it
+        # read one stream (the dispatcher thread below has no context stack of its own)
+        self._session = next((c for c in ctx_stack() if hasattr(c, "_lookup_message")), ctx)
         if self.streaming:
             ctx._start_streaming()
         train = bool(getattr(ctx, "is_training", False))
@@ -103,7 +107,7 @@ class _LoaderIterator:
     def _source(self) -> Iterator[Any]:
         ds = self.loader.dataset
         if self.streaming:
-            src = ds.source(self.ctx.bus, self.ctx.rank, self.loader.timeout_s)
+            src = ds.source(self.ctx.bus, self.ctx.rank, self.loader.timeout_s, owner=self._session)
             if self.loader.reproducible:
                 src = _reordered(src, self.ctx.rank, self.ctx.world_size)
             return src
@@ -159,11 +163,13 @@ class _LoaderIterator:
                     return
 
     def _discard_future(self, fut: Future) -> None:
+        ACCOUNT.fail("abandoned")
         if fut.exception() is None:
             self._discard(fut.result())
 
     def _release_unlooked(self, item: Any) -> None:
         if isinstance(item, dict):
+            ACCOUNT.fail("abandoned")  # received, but the training loop stopped before it
             self.ctx._release_refs([item])
 
     # consumer
@@ -184,12 +190,15 @@ class _LoaderIterator:
             have = 0 if item is _END else 1
             if not self.ctx._all_ranks_have(have):
                 if item is not _END:
+                    ACCOUNT.fail("uneven_tail")
                     self._discard(item)
                 self._finish(drain=True)
                 raise StopIteration
         if item is _END:
             self._finish()
             raise StopIteration
+        if self.streaming and not getattr(self.ctx, "is_training", False):
+            ACCOUNT.add("evaluated")  # a streamed batch consumed by eval_ctx / InferCtx
         return item
 
     def _next_item(self):
@@ -231,5 +240,6 @@ class _LoaderIterator:
                 except BaseException:  # noqa: BLE001
                     pass
             if dropped:
+                ACCOUNT.fail("uneven_tail", dropped)
                 log.warning("dropped %d trailing batches so that every NN rank trains the same number of steps", dropped)
         self._pool.shutdown(wait=False, cancel_futures=True)

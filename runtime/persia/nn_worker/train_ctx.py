@@ -14,6 +14,7 @@ import torch
 
 from persia.bus import subject
 from persia.errors import PersiaError, PersiaValidationError
+from persia.metrics import Metrics
 from persia.nn_worker.embedding_ctx import (
     EmbeddingCtx,
     PreprocessMode,
@@ -24,6 +25,7 @@ from persia.nn_worker.progress import TrainingProgress
 from persia.nn_worker import checkpoint_plan
 from persia.nn_worker.checkpoint import check_optimizer_state
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
+from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -107,6 +109,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._subs = self._serve_checkpoint_subjects()
         self._worker_clients()
         self._install_sigterm()
+        attach_metrics(Metrics("nn_worker", self.rank))
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
 
     def _info(self, _req) -> dict:
@@ -162,21 +165,33 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     # -- backward ---------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, embedding_gradient_check_frequency: int = 20) -> torch.Tensor:
         """Backprop, send embedding gradients (async), step the dense optimizer synchronously; then
-        a periodic checkpoint when due, or the end of training when SIGTERM arrived."""
+        a periodic checkpoint when due, or the end of training when SIGTERM arrived.
+
+        A step whose loss or gradients are not finite changes nothing (no dense step, no embedding
+        update), is counted by reason and warned about; every ``embedding_gradient_check_frequency``
+        steps the dense parameters are checked, and non-finite ones stop training with an error.
+        """
         self._in_backward = True
         try:
-            scaled = self._backward_step(loss)
+            scaled = self._backward_step(loss, embedding_gradient_check_frequency)
         finally:
             self._in_backward = False
         self._after_step()
         return scaled
 
-    def _backward_step(self, loss: torch.Tensor) -> torch.Tensor:
+    def _backward_step(self, loss: torch.Tensor, check_every: int) -> torch.Tensor:
         self._raise_update_error()
         batch = self._current_batch
         if batch is None:
             raise PersiaError("backward() without a training batch: call ctx.forward(batch) first")
         self._current_batch = None
+        loss_finite = bool(torch.isfinite(loss.detach()).all())
+        if not loss_finite and self.world_size == 1:
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self._skip_step(batch, "non_finite_loss")
+            return loss
+        # With DDP every rank runs backward (its all-reduce needs all of them); the all-reduced
+        # dense gradients then tell every rank alike whether to step.
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
         grads = []
@@ -189,24 +204,70 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if not np.isfinite(g).all():
                 non_finite = True
             grads.append(g)
-        scale = float(self.grad_scaler.get_scale()) if self.grad_scaler is not None else 1.0
-        self._send_update(batch, grads, scale)
         if self.grad_scaler is not None:
+            # AMP: an overflow is how the scaler finds its scale; it skips the dense step itself
+            scale = float(self.grad_scaler.get_scale())
+            self._send_update(batch, [None] * len(grads) if non_finite else grads, scale)
             self.grad_scaler.step(self.dense_optimizer)
+            self.grad_scaler.update(scale / self.grad_scalar_update_factor if non_finite else None)
+            self.dense_optimizer.zero_grad(set_to_none=True)
             if non_finite:
-                self.grad_scaler.update(scale / self.grad_scalar_update_factor)
+                self._account_skip(batch, "amp_overflow")
             else:
-                self.grad_scaler.update()
-        else:
-            self.dense_optimizer.step()
+                self._account_trained(batch, loss)
+            return scaled
+        if not _dense_grads_finite(self.dense_optimizer):
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self._skip_step(batch, "non_finite_dense_grad" if loss_finite else "non_finite_loss")
+            return scaled
+        if non_finite and self.world_size == 1:
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self._skip_step(batch, "non_finite_embedding_grad")
+            return scaled
+        # (DDP: a rank whose own embedding gradients are not finite still steps the dense part with
+        # the others, so the replicas stay equal; only its embedding update is skipped.)
+        self._send_update(batch, [None] * len(grads) if non_finite else grads, 1.0)
+        self.dense_optimizer.step()
         self.dense_optimizer.zero_grad(set_to_none=True)
         if non_finite:
-            self.skipped_non_finite += 1
+            self._account_skip(batch, "non_finite_embedding_grad")
+        else:
+            self._account_trained(batch, loss)
+        if self.trained_batches % max(1, check_every) == 0:
+            self.check_dense_finite()
+        return scaled
+
+    def _skip_step(self, batch: PersiaTrainingBatch, reason: str) -> None:
+        """Nothing of this batch is applied; its embedding-worker entry and permit are released."""
+        self._send_update(batch, [None] * len(batch.emb_leaves), 1.0)
+        self._account_skip(batch, reason)
+        self.check_dense_finite()  # a model already broken makes every later step non-finite too
+
+    def _account_skip(self, batch: PersiaTrainingBatch, reason: str) -> None:
+        """A consumed batch that changed nothing: failed, and not to be sent again on resume."""
+        self.skipped_non_finite += 1
+        ACCOUNT.fail(reason)
+        self._count_trained(batch.loader)
+        if self.skipped_non_finite == 1 or self.skipped_non_finite % 100 == 0:
+            log.warning("skipped a training step: %s (%d skipped so far: %s)", reason.replace("_", " "),
+                        self.skipped_non_finite, dict(ACCOUNT.failed))
+        self._report_progress()
+
+    def _account_trained(self, batch: PersiaTrainingBatch, loss: torch.Tensor) -> None:
         self.trained_batches += 1
+        ACCOUNT.add("trained")
         self._progress.trained(loss)
         self._count_trained(batch.loader)
         self._report_progress()
-        return scaled
+
+    def check_dense_finite(self) -> None:
+        """Raise if a dense parameter is NaN/Inf: training on would only spread it."""
+        for name, p in self.model.named_parameters():
+            if not bool(torch.isfinite(p.detach()).all()):
+                raise NonFiniteModel(
+                    f"dense parameter {name!r} became non-finite after {self.trained_batches} trained steps "
+                    f"(skipped non-finite steps: {dict(ACCOUNT.failed) or 'none'}); training cannot continue: "
+                    "lower the learning rate or check the input data")
 
     def _send_update(self, batch: PersiaTrainingBatch, grads: list, scale: float) -> None:
         self._backward_slots.acquire()
@@ -296,9 +357,15 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         try:
             if exc is None or graceful:
                 self._wait_for_updates()
+                self.check_dense_finite()
             if graceful:
                 self._stop_between_steps()
         finally:
+            log_summary(self.rank)
+            try:  # data loaders still holding an end of stream for us need not wait for an answer
+                self.bus.publish(subject("nn", "done"), {"rank": self.rank})
+            except Exception:  # noqa: BLE001 - best effort: they give up after 30 s otherwise
+                pass
             self._restore_sigterm()
             for sub in getattr(self, "_subs", ()):  # a later TrainCtx in this process answers instead
                 self.bus.unsubscribe(sub)
@@ -306,6 +373,16 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             self.bus.flush()
             super()._exit(exc)
 
+
+
+class NonFiniteModel(PersiaError):
+    """The dense model's parameters are NaN/Inf."""
+
+
+def _dense_grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+    """One device sync for all gradients (a NaN or Inf anywhere makes the sum non-finite)."""
+    sums = [p.grad.detach().sum() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
 
 
 def float32_outputs(output):
