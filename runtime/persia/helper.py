@@ -51,8 +51,12 @@ class ServiceFailed(PersiaError):
 
 
 def _run_child(func: Callable[[], None], env: dict[str, str]) -> None:
+    from persia.data_loader import stream as loader_stream
+
     os.environ.update(env)
+    loader_stream.reset()  # a forked child is a data-loader process of its own
     func()
+    loader_stream.end_of_stream()  # multiprocessing children leave by os._exit: atexit never runs
 
 
 class PersiaServiceCtx:

@@ -89,7 +89,7 @@ class StreamingDataset(IterableDatasetBase):
         self.epoch: int | None = None
         self._state = _RankStream()  # replaced by the session's when iteration starts
 
-    def _register(self, bus, rank: int, owner) -> _RankStream:
+    def _register(self, bus, rank: int, owner=None) -> _RankStream:
         state = self._state = _stream_state(rank, owner)
         self._subs = [
             bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch),
