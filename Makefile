@@ -40,6 +40,10 @@ test: $(STAMP)
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m faults
 
+## A 30-minute local run with a fault every 3 minutes, memory per role over time (not in CI).
+soak: $(STAMP)
+	$(PY) -m tests.faults.soak
+
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" e2e/tests
