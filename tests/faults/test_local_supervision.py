@@ -43,6 +43,18 @@ def test_ps_killed_restarts_the_job():
     assert "after 1 restart(s)" in run.text
 
 
+def test_embedding_worker_killed_restarts_the_job():
+    # its buffered batches die with it: the whole job restarts (from the latest checkpoint when
+    # one is configured), so no batch is half-trained and the NN worker uses the new worker
+    run = LocalRun(job="f-ew")
+    ew = run.pid_of("ew-0")
+    run.wait_for(r"nn_worker: batch 50 ")
+    os.kill(ew, signal.SIGKILL)
+    assert run.finish() == 0, run.text[-4000:]
+    assert "server ew-0 exited (killed by SIGKILL); restarting the job (1/3)" in run.text
+    assert '"batches_trained": 255' in run.text
+
+
 def test_nn_rank_killed_without_restarts_fails_naming_role_and_signal():
     run = LocalRun("--max-restarts", "0", job="f-nn")
     nn = run.pid_of("nn")
