@@ -1,8 +1,9 @@
 """`persia-operator`: run the operator, render a job's children, or print the CRD.
 
-    persia-operator run [-n NAMESPACE ...] [--interval S] [--liveness URL]
+    persia-operator run [-n NAMESPACE ...] [--interval S] [--liveness URL] [--leader-elect]
     persia-operator render -f job.yaml            # children as YAML, no cluster needed
     persia-operator crd                           # the CustomResourceDefinition
+    persia-operator release-finalizers [-n NS ...|-A]   # before uninstalling (Helm hook)
 
 With no sub-command (`python -m persia_operator`), it runs the operator.
 """
@@ -73,19 +74,15 @@ def _render(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> int:
-    import asyncio
-
-    import kopf
-
+def _config(args: argparse.Namespace) -> Any:
     from .config import OperatorConfig
-    from .handlers import register, run_kwargs
 
     config = OperatorConfig.from_env(
         namespaces=args.namespace or None,
-        reconcile_interval=args.interval,
-        liveness=args.liveness,
+        reconcile_interval=getattr(args, "interval", None),
+        liveness=getattr(args, "liveness", None),
         verbose=args.verbose or None,
+        leader_elect=getattr(args, "leader_elect", False) or None,
     )
     if args.all_namespaces:
         config = config.model_copy(update={"namespaces": []})
@@ -93,9 +90,129 @@ def _run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if config.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    return config
+
+
+def _standalone_api(config: Any) -> Any:
+    """A KubeApi for calls made outside kopf (leader election, the uninstall hook)."""
+    import kopf
+
+    from .handlers import default_login
+    from .kube import KubeApi
+
+    logger = logging.getLogger("persia_operator")
+    return KubeApi(login=lambda: default_login(logger=logger, settings=kopf.OperatorSettings()),
+                   request_timeout=config.request_timeout)  # fmt: skip
+
+
+async def serve_standby_liveness(url: str | None) -> None:
+    """While on standby (not the leader), answer the liveness probe on kopf's endpoint."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    from aiohttp import web
+
+    if not url:
+        await asyncio.Event().wait()
+        return
+    parts = urlsplit(url)
+
+    async def ok(_: Any) -> Any:
+        return web.json_response({"standby": True})
+
+    app = web.Application()
+    app.router.add_get(parts.path or "/", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, parts.hostname or "0.0.0.0", parts.port or 8080)
+    await site.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+    import socket
+    import uuid
+
+    import kopf
+
+    from . import opmetrics
+    from .handlers import register, run_kwargs
+    from .leader import LeaderElector, run_as_leader
+
+    config = _config(args)
+    if config.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(config.metrics_port)
     registry = kopf.OperatorRegistry()
     register(registry, config)
-    asyncio.run(kopf.operator(registry=registry, **run_kwargs(config)))
+
+    async def operate() -> None:
+        opmetrics.LEADER.set(1)
+        try:
+            await kopf.operator(registry=registry, **run_kwargs(config))
+        finally:
+            opmetrics.LEADER.set(0)
+
+    async def main() -> int:
+        if not config.leader_elect:
+            await operate()
+            return 0
+        api = _standalone_api(config)
+        identity = config.identity or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        elector = LeaderElector(api, config.lease_namespace or "default", config.lease_name, identity,
+                                config.lease_duration, config.renew_period, config.retry_period)  # fmt: skip
+        try:
+            return await run_as_leader(elector, operate, standby=lambda: serve_standby_liveness(config.liveness))
+        finally:
+            await api.close()
+
+    return asyncio.run(main())
+
+
+async def release_finalizers(api: Any, namespaces: list[str]) -> list[str]:
+    """Remove the operator's finalizer from every PersiaJob (cluster-wide when
+    `namespaces` is empty) so that nothing is stranded once the operator is gone. The
+    jobs and their children stay; deleting a job later deletes its children (owner
+    references)."""
+    from . import constants as C
+
+    released = []
+    scopes = namespaces or [None]
+    for namespace in scopes:
+        path = (f"/apis/{C.GROUP}/{C.VERSION}/namespaces/{namespace}/{C.PLURAL}" if namespace
+                else f"/apis/{C.GROUP}/{C.VERSION}/{C.PLURAL}")  # fmt: skip
+        listing = await api._request("GET", path)
+        for item in listing.get("items") or []:
+            meta = item.get("metadata") or {}
+            finalizers = meta.get("finalizers") or []
+            if C.FINALIZER not in finalizers:
+                continue
+            keep = [f for f in finalizers if f != C.FINALIZER]
+            patch = {"metadata": {"finalizers": keep or None, "resourceVersion": meta.get("resourceVersion")}}
+            await api.merge_patch(C.KIND, meta["namespace"], meta["name"], patch)
+            released.append(f"{meta['namespace']}/{meta['name']}")
+    return released
+
+
+def _release(args: argparse.Namespace, out: TextIO) -> int:
+    import asyncio
+
+    config = _config(args)
+
+    async def main() -> list[str]:
+        api = _standalone_api(config)
+        try:
+            return await release_finalizers(api, config.namespaces)
+        finally:
+            await api.close()
+
+    for name in asyncio.run(main()):
+        print(f"released {name}", file=out)
     return 0
 
 
@@ -114,7 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-A", "--all-namespaces", action="store_true", help="watch all namespaces (default)")
     run.add_argument("--interval", type=float, help="seconds between reconcile passes of a job")
     run.add_argument("--liveness", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--leader-elect", action="store_true", help="run as one of several replicas (Lease)")
     run.add_argument("-v", "--verbose", action="store_true")
+    release = sub.add_parser("release-finalizers", help="remove the operator's finalizer from every PersiaJob")
+    release.add_argument("-n", "--namespace", action="append", help="only this namespace (repeatable)")
+    release.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace (default)")
+    release.add_argument("-v", "--verbose", action="store_true")
     render = sub.add_parser("render", help="print the children of a PersiaJob as YAML")
     render.add_argument("-f", "--file", required=True, help="PersiaJob manifest ('-' for stdin)")
     render.add_argument("-n", "--namespace", help="override metadata.namespace")
@@ -133,6 +255,8 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         return _render(args, out, err)
     if args.command == "crd":
         return _crd(out)
+    if args.command == "release-finalizers":
+        return _release(args, out)
     return _run(args)
 
 

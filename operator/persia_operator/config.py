@@ -31,6 +31,14 @@ class OperatorConfig(BaseModel):
     watch_connect_timeout: float = 30
     request_timeout: float = 60
     verbose: bool = False
+    metrics_port: int | None = Field(8081, description="Port of /metrics (None: no endpoint).")
+    leader_elect: bool = Field(False, description="Hold a Lease to be the one active replica.")
+    lease_name: str = "persia-operator"
+    lease_namespace: str | None = Field(None, description="Namespace of the Lease (default POD_NAMESPACE).")
+    identity: str | None = Field(None, description="This replica's name in the Lease (default HOSTNAME).")
+    lease_duration: float = Field(15.0, gt=0)
+    renew_period: float = Field(5.0, gt=0)
+    retry_period: float = Field(2.0, gt=0)
 
     @field_validator("namespaces", mode="before")
     @classmethod
@@ -55,5 +63,10 @@ class OperatorConfig(BaseModel):
             values["namespaces"] = env["WATCH_NAMESPACE"]
         if values.get("liveness") == "":
             values["liveness"] = None
+        if values.get("metrics_port") in ("", "0"):
+            values["metrics_port"] = None
+        for key, fallback in (("lease_namespace", "POD_NAMESPACE"), ("identity", "HOSTNAME")):
+            if key not in values and env.get(fallback):
+                values[key] = env[fallback]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(values)

@@ -1,9 +1,14 @@
 """kopf handlers: settings, login, child indexes, and the reconcile triggers.
 
-All handlers are thin: create/resume/update(spec) and a timer call the same idempotent
-Reconciler pass; the indexes keep compact summaries of every child (pods included) so
-that a pass needs no list calls. Handlers return nothing (kopf would store return
-values in the status).
+All handlers are thin: create/resume/update(spec) and a periodic loop call the same
+idempotent Reconciler pass; the indexes keep compact summaries of every child (pods
+included) so that a pass needs no list calls. Handlers return nothing (kopf would store
+return values in the status).
+
+The periodic pass is a loop over an index of PersiaJobs, not a kopf timer: kopf puts a
+finalizer on every object with a timer or daemon, and a finalizer is what strands jobs
+when the operator is uninstalled. Without one, deleting a job needs no operator (owner
+references remove its children).
 
 `register()` builds everything on a given registry, so tests run a fresh operator per
 test; `persia_operator.kopf_app` registers on kopf's default registry for `kopf run`.
@@ -11,6 +16,8 @@ test; `persia_operator.kopf_app` registers on kopf's default registry for `kopf 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -115,6 +122,34 @@ def register(
     async def close(**_: Any) -> None:
         await reconciler.close()
 
+    jobs_ready = asyncio.Event()  # kopf runs resource handlers only once indexes are filled
+
+    @kopf.index(C.GROUP, C.VERSION, C.PLURAL, id="persia_persiajobs", registry=registry)
+    def index_job(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], bool]:
+        return {(namespace, name): True}
+
+    @kopf.on.startup(registry=registry)
+    async def start_periodic(**kwargs: Any) -> None:
+        loop_task = asyncio.get_running_loop().create_task(periodic(kwargs), name="persia-periodic-reconcile")
+        background.append(loop_task)
+
+    background: list[asyncio.Task[None]] = []
+
+    async def periodic(indexes: dict[str, Any]) -> None:
+        """Every reconcile_interval, a pass over every known job (a few at a time)."""
+        await jobs_ready.wait()
+        limit = asyncio.Semaphore(8)
+        log = logging.getLogger("persia_operator")
+
+        async def one(namespace: str, name: str) -> None:
+            async with limit:
+                await reconcile(namespace, name, log, indexes)
+
+        while True:
+            await asyncio.sleep(config.reconcile_interval)
+            keys = list(indexes.get("persia_persiajobs") or {})
+            await asyncio.gather(*(one(ns, name) for ns, name in keys), return_exceptions=True)
+
     @kopf.on.probe(id="reconcile_passes", registry=registry)
     def passes(**_: Any) -> int:
         return reconciler.passes
@@ -137,11 +172,13 @@ def register(
     @kopf.on.resume(*resource, id="reconcile-on-resume", registry=registry)
     @kopf.on.update(*resource, field="spec", id="reconcile-on-update", registry=registry)
     async def on_change(namespace: str, name: str, logger: Any, **kwargs: Any) -> None:
+        jobs_ready.set()
         await reconcile(namespace, name, logger, kwargs)
 
-    @kopf.timer(*resource, id="reconcile-timer", interval=config.reconcile_interval, registry=registry)
-    async def on_timer(namespace: str, name: str, logger: Any, **kwargs: Any) -> None:
-        await reconcile(namespace, name, logger, kwargs)
+    @kopf.on.cleanup(registry=registry)
+    async def stop_periodic(**_: Any) -> None:
+        for task in background:
+            task.cancel()
 
     return reconciler
 

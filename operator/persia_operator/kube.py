@@ -27,6 +27,8 @@ RESOURCES: dict[str, tuple[str, str, str]] = {
     "Job": ("batch", "v1", "jobs"),
     "Secret": ("", "v1", "secrets"),
     "PodDisruptionBudget": ("policy", "v1", "poddisruptionbudgets"),
+    "Lease": ("coordination.k8s.io", "v1", "leases"),
+    "Event": ("", "v1", "events"),
     C.KIND: (C.GROUP, C.VERSION, C.PLURAL),
 }
 # PodGroups of the two gang schedulers share a kind: their apiVersion tells them apart.

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-import kopf
-
 from . import constants as C
-from . import naming
+from . import naming, opmetrics
 from .children import Children
 from .events import JobEvent, transition_events
 from .job import JobStatus
@@ -52,8 +51,26 @@ def merge_patch_diff(old: Any, new: Any, owned: set[str] | None = None) -> Any:
     return patch
 
 
-def post_kopf_event(body: dict[str, Any], event: JobEvent) -> None:
-    kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+def event_manifest(body: dict[str, Any], event: JobEvent, now: datetime) -> dict[str, Any]:
+    """A core/v1 Event about the job (what `kubectl describe pj` lists)."""
+    meta = body["metadata"]
+    ts = now.strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": C.API_VERSION, "kind": C.KIND, "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid")},  # fmt: skip
+        "type": event.type,
+        "reason": event.reason,
+        "message": event.message,
+        "source": {"component": C.MANAGED_BY},
+        "reportingComponent": C.MANAGED_BY,
+        "reportingInstance": C.MANAGED_BY,
+        "firstTimestamp": ts,
+        "lastTimestamp": ts,
+        "count": 1,
+    }
 
 
 class Reconciler:
@@ -61,15 +78,14 @@ class Reconciler:
         self,
         api: KubeApi,
         clock: Callable[[], datetime] = utcnow,
-        post_event: Callable[[dict[str, Any], JobEvent], None] = post_kopf_event,
         nats: NatsWatcher | None = None,
     ):
         self.api = api
         self.nats = nats or NatsWatcher()
         self.clock = clock
-        self.post_event = post_event
         self.passes = 0
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self.phases = opmetrics.PhaseCounts()
 
     async def reconcile(
         self, namespace: str, name: str, summaries: Iterable[dict[str, Any]], logger: Logger
@@ -77,16 +93,22 @@ class Reconciler:
         lock = self._locks.setdefault((namespace, name), asyncio.Lock())
         async with lock:
             body = await self.api.get(C.KIND, namespace, name)
-            if body is None:
-                self._locks.pop((namespace, name), None)
+            if body is None or (body.get("metadata") or {}).get("deletionTimestamp") or not managed_here(body):
+                if body is None:
+                    self._locks.pop((namespace, name), None)
                 self.nats.forget((namespace, name))
+                self.phases.set((namespace, name), None)
                 return None
-            if (body.get("metadata") or {}).get("deletionTimestamp"):
-                self.nats.forget((namespace, name))
-                return None
-            if not managed_here(body):
-                return None
-            status = await self._pass(body, list(summaries), logger)
+            started = time.monotonic()
+            try:
+                status = await self._pass(body, list(summaries), logger)
+            except BaseException:
+                opmetrics.RECONCILES.labels(result="error").inc()
+                raise
+            finally:
+                opmetrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+            opmetrics.RECONCILES.labels(result="ok").inc()
+            self.phases.set((namespace, name), status.phase)
             self.passes += 1
             return status
 
@@ -104,6 +126,8 @@ class Reconciler:
         errors = await self._execute(meta.namespace, meta.uid, child_actions, logger)
         if errors:
             status = derive_status(observed, children, now, errors, nats=nats)
+        if status.attempt != observed.status.attempt and status.is_true(C.COND_RESTARTING):
+            opmetrics.RESTARTS.labels(reason=status.condition(C.COND_RESTARTING).reason).inc()  # type: ignore[union-attr]
         await self._write_status(body, observed.status, status, logger)
         for action in actions:
             if isinstance(action, DeleteJob):
@@ -170,6 +194,7 @@ class Reconciler:
                 kind, name = action.key if isinstance(action, Create) else (action.kind, action.name)
                 logger.warning(f"{type(action).__name__} {kind}/{name} failed: {err}")
                 errors.append(ChildError(kind, name, err.code, f"{err.code} {err.reason}: {err.message}"))
+                opmetrics.CHILD_ERRORS.labels(kind=kind, code=str(err.code)).inc()
         return errors
 
     async def _create(self, action: Create, uid: str | None, logger: Any) -> None:
@@ -196,16 +221,17 @@ class Reconciler:
         await self.api.merge_patch(C.KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
         for event in transition_events(prev, status):
             try:
-                self.post_event(body, event)
-            except Exception as err:  # events are best effort
-                logger.debug(f"Could not post event {event}: {err}")
+                await self.api.create(event_manifest(body, event, self.clock()))
+            except ApiError as err:  # events are best effort
+                logger.debug(f"Could not post event {event.reason}: {err}")
 
 
 def managed_here(body: dict[str, Any]) -> bool:
     """spec.managedBy unset or this operator's: a job managed by another controller
     (e.g. MultiKueue) is left alone entirely."""
-    managed_by = (body.get("spec") or {}).get("managedBy")
-    return managed_by in (None, C.MANAGED_BY_VALUE)
+    accepted = (body.get("status") or {}).get("acceptedSpec")
+    spec = accepted if isinstance(accepted, dict) else body.get("spec") or {}
+    return spec.get("managedBy") in (None, C.MANAGED_BY_VALUE)  # a later edit is a rejected change
 
 
 def _spec_of(observed: ObservedJob) -> PersiaJobSpec | None:

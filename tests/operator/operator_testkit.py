@@ -53,6 +53,9 @@ RESOURCES = {
     "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True, subresources={"status"}),
     "apps/v1/deployments": kmock.ResourceInfo(kind="Deployment", namespaced=True, subresources={"status"}),
     "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
+    "coordination.k8s.io/v1/leases": kmock.ResourceInfo(kind="Lease", namespaced=True),
+    "scheduling.volcano.sh/v1beta1/podgroups": kmock.ResourceInfo(kind="PodGroup", namespaced=True),
+    "scheduling.x-k8s.io/v1alpha1/podgroups": kmock.ResourceInfo(kind="PodGroup", namespaced=True),
     # kopf's start-up waits on these two being discoverable (operator-prior-art.md §6.4).
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
@@ -290,7 +293,7 @@ class OperatorThread:
     def __init__(self, server: str, interval: float = 0.1, liveness: str | None = None,
                  namespaces: list[str] | None = None):  # fmt: skip
         self.registry = kopf.OperatorRegistry()
-        self.config = OperatorConfig(reconcile_interval=interval, nats_probe_interval=interval, liveness=liveness,
+        self.config = OperatorConfig(reconcile_interval=interval, nats_probe_interval=0.5, liveness=liveness,
                                      namespaces=namespaces or [])
         self.reconciler = register(self.registry, self.config, login=lambda **_: kopf.ConnectionInfo(server=server))
         self.ready = threading.Event()

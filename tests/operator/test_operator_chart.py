@@ -19,20 +19,6 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk (Linux x86-64 
 
 CHART = REPO / "charts" / "persia-operator"
 
-NEEDED = {
-    ("persia.com", "persiajobs"): {"get", "list", "watch", "patch", "delete"},
-    ("persia.com", "persiajobs/status"): {"get", "patch"},
-    ("persia.com", "persiajobs/finalizers"): {"update"},
-    ("", "pods"): {"get", "list", "watch"},
-    ("", "services"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "configmaps"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "statefulsets"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("apps", "deployments"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("batch", "jobs"): {"get", "list", "watch", "create", "patch", "delete"},
-    ("", "events"): {"create"},
-}
-
-
 def render(values: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
     with helm.Chart.load(str(CHART)) as chart:
         out = chart.render(values=values, name="demo", namespace="persia-system", is_install=True)
@@ -48,18 +34,29 @@ def test_lint_strict():
     assert not problems, report
 
 
-@pytest.mark.parametrize(
-    "values",
-    [{}, {"watchNamespace": "ml"}, {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}},
-     {"image": {"repository": "registry.local/persia-operator", "tag": "v9"}, "verbose": True,
-      "nodeSelector": {"role": "ops"}, "tolerations": [{"key": "ops", "operator": "Exists"}],
-      "extraEnv": [{"name": "PERSIA_OPERATOR_REQUEST_TIMEOUT", "value": "30"}]}],
-    ids=["cluster-wide", "namespaced", "no-rbac", "customised"],
-)  # fmt: skip
+VALUES = {
+    "cluster-wide": {},
+    "namespaced": {"watchNamespace": "ml"},
+    "several-namespaces": {"watchNamespaces": ["ml", "ads"]},
+    "no-rbac": {"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "ops"}},
+    "no-leader-election": {"leaderElection": {"enabled": False}},
+    "monitors": {"metrics": {"service": {"enabled": True}, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
+                             "podMonitor": {"enabled": True}}},
+    "no-hooks-no-aggregation": {"hooks": {"preDelete": {"enabled": False}}, "rbac": {"aggregate": False}},
+    "customised": {"image": {"repository": "registry.local/persia-operator", "tag": "v9"}, "verbose": True,
+                   "nodeSelector": {"role": "ops"}, "tolerations": [{"key": "ops", "operator": "Exists"}],
+                   "extraEnv": [{"name": "PERSIA_OPERATOR_REQUEST_TIMEOUT", "value": "30"}], "replicaCount": 3},
+}  # fmt: skip
+# prometheus-operator kinds are not in Kubernetes' schemas: checked by hand below.
+CRD_KINDS = {"ServiceMonitor", "PodMonitor"}
+
+
+@pytest.mark.parametrize("values", list(VALUES.values()), ids=list(VALUES))
 def test_rendered_manifests_validate(values):
     docs, notes = render(values)
     for doc in docs:
-        kubernetes_validate.validate(doc, "1.30", strict=True)
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
     kinds = {d["kind"] for d in docs}
     assert "Deployment" in kinds
     assert "kubectl get persiajobs" in notes and "kubectl apply --server-side -f" in notes
@@ -69,12 +66,17 @@ def _deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == "Deployment")
 
 
-def test_deployment_is_a_single_recreated_replica_with_liveness():
+def test_deployment_runs_two_replicas_with_one_leader_and_liveness():
     docs, _ = render({})
     deployment = _deployment(docs)
-    assert deployment["spec"]["replicas"] == 1
-    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
     container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert build_parser().parse_args(container["args"]).leader_elect
+    assert {"name": "metrics", "containerPort": 8081} in container["ports"]
+    single = _deployment(render({"leaderElection": {"enabled": False}, "replicaCount": 3})[0])
+    assert single["spec"]["replicas"] == 1 and single["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-elect" not in single["spec"]["template"]["spec"]["containers"][0]["args"]
     assert container["image"] == "persiaml/persia-operator:0.1.0"
     assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "liveness"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -82,9 +84,12 @@ def test_deployment_is_a_single_recreated_replica_with_liveness():
     args = build_parser().parse_args(container["args"])
     assert args.command == "run" and args.all_namespaces and args.interval == 10
     assert args.liveness == "http://0.0.0.0:8080/healthz"
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    env["POD_NAMESPACE"] = "persia-system"  # from the downward API
     config = OperatorConfig.from_env(env)
     assert (config.watch_server_timeout, config.watch_client_timeout) == (300, 330)
+    assert (config.metrics_port, config.lease_name, config.lease_namespace) == (8081, "demo-persia-operator", "persia-system")
+    assert (config.lease_duration, config.renew_period, config.retry_period) == (15, 5, 2)
 
 
 def _rules(docs: list[dict[str, Any]], kind: str) -> dict[tuple[str, str], set[str]]:
@@ -99,37 +104,81 @@ def _rules(docs: list[dict[str, Any]], kind: str) -> dict[tuple[str, str], set[s
 
 def test_cluster_wide_install_uses_a_cluster_role():
     docs, _ = render({})
-    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding")]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Role"] == ["demo-persia-operator-leader"]
     granted = _rules(docs, "ClusterRole")
-    for key, verbs in NEEDED.items():
-        assert verbs <= granted.get(key, set()), key
-    # Least privilege: nothing on secrets, CRDs or pods/exec; pods are read-only.
-    assert not {r for _, r in granted} & {"secrets", "customresourcedefinitions", "pods/exec"}
-    assert granted[("", "pods")] == {"get", "list", "watch"}
+    # Least privilege: nothing on CRDs or pods/exec; pods are read-only; Secrets are never listed.
+    assert not {r for _, r in granted} & {"customresourcedefinitions", "pods/exec"}
+    assert granted[("", "pods")] == {"list", "watch"}
+    assert granted[("", "secrets")] == {"get", "create"}
     binding = next(d for d in docs if d["kind"] == "ClusterRoleBinding")
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-persia-operator", "namespace": "persia-system"}]
     args = _deployment(docs)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--all-namespaces" in args
+    leader = next(d for d in docs if d["kind"] == "Role")
+    assert leader["metadata"]["namespace"] == "persia-system"
+    assert leader["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "patch"]}]
 
 
-def test_namespaced_install_uses_a_role_in_that_namespace():
-    docs, notes = render({"watchNamespace": "ml"})
-    assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    role = next(d for d in docs if d["kind"] == "Role")
-    binding = next(d for d in docs if d["kind"] == "RoleBinding")
-    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "ml"
-    assert binding["subjects"][0]["namespace"] == "persia-system"
-    for key, verbs in NEEDED.items():
-        assert verbs <= _rules(docs, "Role").get(key, set()), key
-    args = build_parser().parse_args(_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["args"])
-    assert args.namespace == ["ml"] and not args.all_namespaces
-    assert "namespace ml only" in notes
+@pytest.mark.parametrize("values, namespaces", [({"watchNamespace": "ml"}, ["ml"]),
+                                                ({"watchNamespaces": ["ml", "ads"]}, ["ml", "ads"])])  # fmt: skip
+def test_namespaced_install_uses_a_role_in_each_namespace(values, namespaces):
+    docs, notes = render(values)
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"] == ["demo-persia-operator-edit",
+                                                                                  "demo-persia-operator-view"]  # fmt: skip
+    assert not [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    roles = [d for d in docs if d["kind"] == "Role" and not d["metadata"]["name"].endswith("-leader")]
+    bindings = [d for d in docs if d["kind"] == "RoleBinding" and not d["metadata"]["name"].endswith("-leader")]
+    assert [r["metadata"]["namespace"] for r in roles] == [b["metadata"]["namespace"] for b in bindings] == namespaces
+    assert all(b["subjects"][0]["namespace"] == "persia-system" for b in bindings)
+    cluster_rules = _rules(render({})[0], "ClusterRole")
+    assert all(_rules([r], "Role") == cluster_rules for r in roles)  # the same rules, per namespace
+    for d in docs:
+        if d["kind"] in ("Deployment", "Job"):
+            args = build_parser().parse_args(d["spec"]["template"]["spec"]["containers"][0]["args"])
+            assert args.namespace == namespaces and not args.all_namespaces
+    assert f"namespace {', '.join(namespaces)} only" in notes
+
+
+def test_aggregated_cluster_roles_for_edit_and_view():
+    docs, _ = render({})
+    edit = next(d for d in docs if d["metadata"]["name"] == "demo-persia-operator-edit")
+    view = next(d for d in docs if d["metadata"]["name"] == "demo-persia-operator-view")
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert {"create", "delete", "patch"} <= _rules([edit], "ClusterRole")[("persia.com", "persiajobs")]
+    assert _rules([view], "ClusterRole")[("persia.com", "persiajobs")] == {"get", "list", "watch"}
+
+
+def test_pre_delete_hook_releases_finalizers_with_the_operator_account():
+    docs, notes = render({})
+    hook = next(d for d in docs if d["kind"] == "Job")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "pre-delete"
+    pod = hook["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "demo-persia-operator"
+    args = build_parser().parse_args(pod["containers"][0]["args"])
+    assert args.command == "release-finalizers" and args.all_namespaces
+    assert "pre-delete hook" in notes
+    assert not [d for d in render({"hooks": {"preDelete": {"enabled": False}}})[0] if d["kind"] == "Job"]
+
+
+def test_monitors_are_off_by_default_and_scrape_the_metrics_port():
+    assert not CRD_KINDS & {d["kind"] for d in render({})[0]}
+    docs, _ = render(VALUES["monitors"])
+    monitor = next(d for d in docs if d["kind"] == "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics" and monitor["metadata"]["labels"]["release"] == "prom"
+    service = next(d for d in docs if d["kind"] == "Service")
+    assert service["spec"]["ports"][0] == {"name": "metrics", "port": 8081, "targetPort": "metrics"}
+    assert monitor["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+    pod_monitor = next(d for d in docs if d["kind"] == "PodMonitor")
+    assert pod_monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
 
 
 def test_values_schema_rejects_bad_values():
     with helm.Chart.load(str(CHART)) as chart:
         for bad in ({"reconcileInterval": "often"}, {"watchNamespace": "Not_A_Namespace"},
-                    {"image": {"repository": "x", "pullPolicy": "Sometimes"}}, {"replicaCount": 2}):  # fmt: skip
+                    {"image": {"repository": "x", "pullPolicy": "Sometimes"}}, {"replicaCount": 0},
+                    {"watchNamespaces": ["Bad_NS"]}, {"metrics": {"serviceMonitor": {"enabled": "yes"}}}):  # fmt: skip
             with pytest.raises(helm.HelmValuesError):
                 chart.validate_schema(bad)
 

@@ -389,3 +389,52 @@ def test_managed_nats_reads_credentials_from_the_generated_secret():
                     "NATS_PASSWORD": {"name": "demo-auth", "key": "nats-password"}}  # fmt: skip
     conf = rendered(job_body())[("ConfigMap", "demo-nats-config")]["data"]["nats.conf"]
     assert "password: $NATS_PASSWORD" in conf
+
+
+# --- 4. gang scheduling and queueing ------------------------------------------------------
+
+
+@pytest.mark.parametrize("gang, api_version, scheduler", [
+    ("volcano", "scheduling.volcano.sh/v1beta1", "volcano"),
+    ("coscheduling", "scheduling.x-k8s.io/v1alpha1", "scheduler-plugins-scheduler"),
+])  # fmt: skip
+def test_pod_group_counts_every_pod_and_every_pod_joins_it(gang, api_version, scheduler):
+    children = rendered(job_body(scheduling={"gang": gang, "queue": "gpu", "scheduleTimeoutSeconds": 600}))
+    group = children[("PodGroup", "demo-gang")]
+    assert group["apiVersion"] == api_version
+    # 2 PS + 1 embedding worker + 2 NN workers + 1 data loader + 1 NATS
+    assert group["spec"]["minMember"] == 7
+    assert ("queue" in group["spec"]) == (gang == "volcano")
+    members = 0
+    for (kind, _), m in children.items():
+        if kind in ("StatefulSet", "Job"):
+            pod = m["spec"]["template"]
+            assert pod["spec"]["schedulerName"] == scheduler
+            if gang == "volcano":
+                assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "demo-gang"
+            else:
+                assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "demo-gang"
+            members += m["spec"].get("replicas", m["spec"].get("completions"))
+    assert members == group["spec"]["minMember"]
+
+
+def test_kueue_queue_label_makes_one_pod_group_per_attempt():
+    body = job_body()
+    body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    meta, spec = validate_job(body)
+    job = PersiaJob(metadata=meta, spec=spec)
+    job.status.attempt = 2
+    for m in render(job):
+        if m["kind"] in ("StatefulSet", "Job"):
+            pod = m["spec"]["template"]["metadata"]
+            assert pod["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+            assert pod["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-a2"
+            assert pod["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "7"
+            assert "kueue.x-k8s.io/queue-name" not in m["metadata"]["labels"]  # the workloads are not queued
+
+
+def test_jobs_managed_by_another_controller_are_left_alone():
+    from persia_operator.reconciler import managed_here
+
+    assert managed_here(job_body()) and managed_here(job_body(managedBy=C.MANAGED_BY_VALUE))
+    assert not managed_here(job_body(managedBy="kueue.x-k8s.io/multikueue"))

@@ -26,3 +26,60 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* Watched namespaces as a JSON list (empty: cluster-wide). */}}
+{{- define "persia-operator.watchNamespaces" -}}
+{{- $list := list -}}
+{{- range .Values.watchNamespaces }}{{ $list = append $list . }}{{ end -}}
+{{- if .Values.watchNamespace }}{{ $list = append $list .Values.watchNamespace }}{{ end -}}
+{{- $list | uniq | toJson -}}
+{{- end -}}
+
+{{/* Exactly the API calls the operator makes (tests/operator/test_operator_rbac.py derives
+them from a run of the operator and compares both ways). */}}
+{{- define "persia-operator.rules" -}}
+# The jobs: watched by kopf, read fresh by each pass, finalizer/annotations patched by
+# kopf, deleted after ttlSecondsAfterFinished, listed by the pre-delete hook.
+- apiGroups: ["persia.com"]
+  resources: ["persiajobs"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
+- apiGroups: ["persia.com"]
+  resources: ["persiajobs/status"]
+  verbs: ["patch"]
+# Not an API call: owner references with blockOwnerDeletion need it (admission).
+- apiGroups: ["persia.com"]
+  resources: ["persiajobs/finalizers"]
+  verbs: ["update"]
+# Children. get: only after a 409 on create (is it ours?). patch: online resize.
+- apiGroups: [""]
+  resources: ["services", "configmaps"]
+  verbs: ["get", "list", "watch", "create"]
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: ["apps"]
+  resources: ["deployments"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "delete"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create"]
+# Pods are only watched (exit codes, evictions, uids, readiness).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list", "watch"]
+# The generated <job>-auth Secret and the Secrets a job names (nats.auth, nats.tls):
+# read by name, never listed or watched.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create"]
+# Gang scheduling (spec.scheduling.gang); harmless where the CRDs are not installed.
+- apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
+  resources: ["podgroups"]
+  verbs: ["get", "create"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end -}}
