@@ -147,7 +147,11 @@ def _run(args: argparse.Namespace) -> int:
     if config.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(config.metrics_port)
+        try:
+            start_http_server(config.metrics_port)
+        except OSError as err:  # the operator is more important than its metrics
+            logging.getLogger("persia_operator").error(
+                f"no /metrics: cannot listen on port {config.metrics_port}: {err}")
     registry = kopf.OperatorRegistry()
     register(registry, config)
 

@@ -38,7 +38,6 @@ CHILD_RESOURCES = (
     ("Deployment", "apps", "v1", "deployments"),
     ("Service", "", "v1", "services"),
     ("ConfigMap", "", "v1", "configmaps"),
-    ("PodDisruptionBudget", "policy", "v1", "poddisruptionbudgets"),
 )
 INDEX_IDS = tuple(f"persia_{plural}" for _, _, _, plural in CHILD_RESOURCES)
 

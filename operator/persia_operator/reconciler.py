@@ -138,10 +138,14 @@ class Reconciler:
     async def _observe_by_get(self, namespace: str, name: str, spec: PersiaJobSpec | None
                               ) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:  # fmt: skip
         """Children that are read, not watched: Secrets (watching them would need list on
-        every Secret) and PodGroups (their CRDs may not be installed). Returns summaries and
+        every Secret), PodGroups (their CRDs may not be installed) and the job's two
+        PodDisruptionBudgets (auxiliary: a job runs without them). Returns summaries and
         the decoded data of the Secrets the job's NATS needs."""
-        gets: list[tuple[str, str, str | None]] = [("Secret", naming.auth_secret_name(name), None)]
+        gets: list[tuple[str, str, str | None]] = [("Secret", naming.auth_secret_name(name), None),
+                                                   ("PodDisruptionBudget", naming.workload_name(name, C.ROLE_PS), None)]
         if spec is not None:
+            if spec.nats_managed():
+                gets.append(("PodDisruptionBudget", naming.nats_name(name), None))
             for ref in (spec.nats.auth, spec.nats.tls):
                 if ref is not None:
                     gets.append(("Secret", ref.secret_name, None))

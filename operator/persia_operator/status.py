@@ -105,11 +105,17 @@ def count_replicas(spec: PersiaJobSpec, job_name: str, children: Children, attem
     return counts
 
 
+# Children the job runs without: failing to create one is reported, not waited for.
+AUXILIARY_KINDS = ("PodDisruptionBudget",)
+
+
 def missing_children(job: PersiaJob, children: Children) -> list[str]:
     """Desired children of the current attempt that are not observed (kind/name)."""
     missing = []
     for manifest in render(job):
         kind, name = manifest["kind"], manifest["metadata"]["name"]
+        if kind in AUXILIARY_KINDS:
+            continue
         if kind in ("StatefulSet", "Job", "Deployment"):
             workload = children.workload(kind, name)
             wanted = manifest["metadata"]["labels"].get(C.LABEL_ATTEMPT)
@@ -274,6 +280,9 @@ class _Pass:
     def created(self, spec: PersiaJobSpec, errors: Sequence[ChildError]) -> list[str]:
         """Created (and ChildCreateFailed); returns the missing children."""
         missing = missing_children(PersiaJob(metadata=self.job.metadata, spec=spec, status=self.st), self.children)
+        auxiliary = [e for e in errors if e.kind in AUXILIARY_KINDS]
+        errors = [e for e in errors if e.kind not in AUXILIARY_KINDS]
+        note = "; ".join(f"{e.kind}/{e.name} not created ({e.message}): the job runs without it" for e in auxiliary)
         permanent = [e for e in errors if e.permanent]
         if permanent:
             self.cond(C.COND_FAILED, True, "ChildCreateFailed",
@@ -284,7 +293,7 @@ class _Pass:
         elif missing:
             self.cond(C.COND_CREATED, False, "Creating", f"waiting for {', '.join(missing)}")
         else:
-            self.cond(C.COND_CREATED, True, "ChildrenCreated", "")
+            self.cond(C.COND_CREATED, True, "ChildrenCreated", note)
         return missing
 
     def readiness(self, spec: PersiaJobSpec, missing: list[str]) -> None:

@@ -438,3 +438,15 @@ def test_jobs_managed_by_another_controller_are_left_alone():
 
     assert managed_here(job_body()) and managed_here(job_body(managedBy=C.MANAGED_BY_VALUE))
     assert not managed_here(job_body(managedBy="kueue.x-k8s.io/multikueue"))
+
+
+def test_a_job_runs_without_its_pdbs():
+    from persia_operator.status import ChildError
+
+    sim = Sim()
+    sim.step()
+    pods = [s for s in sim.children() if s["kind"] != "PodDisruptionBudget"]
+    error = ChildError("PodDisruptionBudget", "demo-embedding-ps", 404, "404 NotFound: the server could not find it")
+    st = sim.step(pods, errors=[error])
+    assert st.phase == "Running" and cond(st, C.COND_CREATED) == ("True", "ChildrenCreated")
+    assert "PodDisruptionBudget/demo-embedding-ps not created" in st.condition(C.COND_CREATED).message
