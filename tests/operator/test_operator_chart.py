@@ -42,6 +42,7 @@ VALUES = {
     "no-leader-election": {"leaderElection": {"enabled": False}},
     "monitors": {"metrics": {"service": {"enabled": True}, "serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                              "podMonitor": {"enabled": True}}},
+    "dashboards": {"dashboards": {"enabled": True}},
     "no-hooks-no-aggregation": {"hooks": {"preDelete": {"enabled": False}}, "rbac": {"aggregate": False}},
     "customised": {"image": {"repository": "registry.local/persia-operator", "tag": "v9"}, "verbose": True,
                    "nodeSelector": {"role": "ops"}, "tolerations": [{"key": "ops", "operator": "Exists"}],
@@ -191,3 +192,13 @@ def test_chart_ships_the_generated_crd():
     text = data.decode() if isinstance(data, bytes) else data
     assert text == crd_yaml()
     kubernetes_validate.validate(yaml.safe_load(text), "1.30", strict=True)
+
+
+def test_dashboards_config_map_carries_the_dashboard_json():
+    import json
+
+    docs, _ = render({"dashboards": {"enabled": True}})
+    config_map = next(d for d in docs if d["kind"] == "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(config_map["data"]["persia-operator.json"])
+    assert board == json.loads((CHART / "dashboards" / "persia-operator.json").read_text())
