@@ -67,14 +67,15 @@ def _deployment(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return next(d for d in docs if d["kind"] == "Deployment")
 
 
-def test_deployment_runs_two_replicas_with_one_leader_and_liveness():
-    docs, _ = render({})
+def test_deployment_runs_replicas_with_one_leader_and_liveness():
+    docs, _ = render({"replicaCount": 2})
     deployment = _deployment(docs)
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["strategy"] == {"type": "RollingUpdate"}
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert build_parser().parse_args(container["args"]).leader_elect
     assert {"name": "metrics", "containerPort": 8081} in container["ports"]
+    assert _deployment(render({})[0])["spec"]["replicas"] == 1  # the default: set 2 for a standby
     single = _deployment(render({"leaderElection": {"enabled": False}, "replicaCount": 3})[0])
     assert single["spec"]["replicas"] == 1 and single["spec"]["strategy"] == {"type": "Recreate"}
     assert "--leader-elect" not in single["spec"]["template"]["spec"]["containers"][0]["args"]
