@@ -188,6 +188,12 @@ def role_env(job: PersiaJob, role: str, role_spec: RoleSpec) -> list[dict[str, A
     if role in CHECKPOINT_ROLES:
         env += checkpoint_env(job)
     env += security_env(job)
+    if spec.grpc_tls is not None and role in STATEFUL_ROLES:
+        # Clients verify the server's certificate against the advertised address: the
+        # pod's DNS name under its headless Service, which *.<service>.<ns>.svc covers.
+        env.append(_field_env("POD_NAME", "metadata.name"))
+        env.append(_env("PERSIA_ADVERTISE_HOST",
+                        f"$(POD_NAME).{naming.workload_name(job.name, role)}.{job.namespace}.svc"))  # fmt: skip
     if spec.security_context == "restricted":
         env.append(_env("HOME", "/tmp"))  # a writable home on a read-only root filesystem
     user: list[EnvVar] = [*spec.env, *role_spec.env]

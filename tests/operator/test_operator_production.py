@@ -367,6 +367,10 @@ def test_external_nats_auth_and_tls_by_reference_only():
     assert env["PERSIA_NATS_CREDS"] == "/var/run/persia/nats-creds/creds"
     assert env["PERSIA_NATS_TLS_CA"] == "/var/run/persia/nats-tls/ca.crt"
     assert env["PERSIA_GRPC_TLS_KEY"] == "/var/run/persia/grpc-tls/tls.key"
+    # The certificate names *.demo-embedding-worker.ns1.svc: advertise the pod's DNS name.
+    assert env["PERSIA_ADVERTISE_HOST"] == "$(POD_NAME).demo-embedding-worker.ns1.svc"
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert "PERSIA_ADVERTISE_HOST" not in env_of(children[("Job", "demo-nn-worker")])
     assert env["PERSIA_BIND_ADDRESS"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["PERSIA_JOB_SECRET"] == {"secretKeyRef": {"name": "demo-auth", "key": "job-secret"}}
     volumes = {v["name"]: v for v in ew["spec"]["template"]["spec"]["volumes"]}
