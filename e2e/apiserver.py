@@ -35,7 +35,6 @@ import asyncio
 import bisect
 import copy
 import json
-import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -152,8 +151,6 @@ class ApiServer(kmock.KubernetesEmulator):
         self.events: list[tuple[int, tuple[str, str, str], str, dict[str, Any]]] = []
         self.changed = asyncio.Condition()
         self.log_reader: Callable[[str, str, str | None, bool], str | None] | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread_lock = threading.RLock()
 
     # --- the store ------------------------------------------------------------------
 
@@ -423,7 +420,6 @@ class ApiServer(kmock.KubernetesEmulator):
     # --- HTTP -------------------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
-        self.loop = asyncio.get_running_loop()
         path = request.url.path.rstrip("/") or "/"
         try:
             discovery = self._discovery(path)

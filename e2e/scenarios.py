@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,12 +103,6 @@ def wait_gone(cluster: Cluster, job: str, prefixes: tuple[str, ...], timeout: fl
         return not pods and not groups
 
     wait_until(gone, timeout, f"pods and processes {prefixes} of {job} to be gone", interval=0.5)
-
-
-def timed(fn):  # type: ignore[no-untyped-def]
-    start = time.monotonic()
-    result = fn()
-    return result, time.monotonic() - start
 
 
 @contextlib.contextmanager
