@@ -157,8 +157,10 @@ class Rewriter:
             return m.group(0)
 
         text = _HOSTPORT.sub(hostport, text)
-        for src in sorted(self.paths, key=len, reverse=True):
-            text = re.sub(rf"(?<![\w.-]){re.escape(src)}(?=/|$|[\s\"',;:=])", lambda _m, d=self.paths[src]: d, text)
+        if self.paths:  # one pass: a host directory put in is never rewritten again (/tmp mounts)
+            alternatives = "|".join(re.escape(p) for p in sorted(self.paths, key=len, reverse=True))
+            pattern = rf"(?<![\w.-])({alternatives})(?=/|$|[\s\"',;:=])"
+            text = re.sub(pattern, lambda m: self.paths[m.group(1)], text)
         return text
 
     def value(self, value: str) -> str:

@@ -97,6 +97,10 @@ def test_rewriter_maps_services_ports_and_paths():
     assert rw.text("/opt/persia/examples/a/train.py") == "/repo/examples/a/train.py"
     assert rw.text("/opt/persia/examples2") == "/opt/persia/examples2"
     assert rw.text('pid_file: "/etc/persia/x.pid"') == 'pid_file: "/pod/vol/x.pid"'
+    # A host directory put in is not rewritten again by a shorter mount (`/tmp` emptyDir).
+    nested = Rewriter(paths={"/checkpoints": "/tmp/e2e/pvc/claim", "/tmp": "/tmp/e2e/pod/tmp"})
+    assert nested.text("/checkpoints/job") == "/tmp/e2e/pvc/claim/job"
+    assert nested.text("/tmp/x") == "/tmp/e2e/pod/tmp/x"
     assert "nats" not in dns_names("nats", "other", "ns")  # short names only in the pod's own namespace
 
 
