@@ -12,6 +12,7 @@ Run with `make e2e` (several minutes: three trainings and a restarted one)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -143,8 +144,11 @@ def _ps_killed(cluster, record, name):
     jobs = cluster.kubectl("get", "jobs", "-l", f"persia.com/job-name={name}", "-o", "yaml")
     assert f"/checkpoints/{name}" in jobs and "PERSIA_RESUME" in jobs  # the operator renders the contract
     if written:  # the runtime wrote periodic checkpoints (issue 9): the new attempt resumes from the last
-        assert "resum" in log.lower() and log != first_attempt, log[-3000:]
-        note = f"resumed; checkpoints before the kill: {written}"
+        resumed = re.search(r"resumed from \S*ckpt-(\d+): step (\d+)", log)
+        assert resumed and log != first_attempt, log[-3000:]
+        step = int(resumed.group(2))
+        assert step >= int(written[-1].split("-")[1]), (step, written)  # the last one published, or later
+        note = f"resumed from step {step}; checkpoints before the kill: {written}"
     else:
         note = "resume PENDING: the runtime wrote no checkpoint (issue 9's periodic checkpoints not on main)"
     record(final + f"   (test AUC {auc:.4f}; {note})", time.monotonic() - start)
@@ -189,7 +193,7 @@ def _lifecycle(cluster, record):
     # Delete while training: the finalizer is released and every process ends.
     finalizers = cluster.kubectl("get", "pj", name, "-o", "jsonpath={.metadata.finalizers}")
     assert "persia.com/finalizer" in finalizers, finalizers
-    delete_job(cluster, name)  # kubectl delete waits until the object is gone
+    delete_job(cluster, name)  # returns once the object is gone: the finalizer is released
     with pytest.raises(KubectlError, match="NotFound"):
         cluster.kubectl("get", "pj", name)
     wait_gone(cluster, name, (name,), 90)
