@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,7 +64,10 @@ def main() -> int:
     fault_every = float(os.environ.get("SOAK_FAULT_EVERY_S", "180"))
     sample_every = float(os.environ.get("SOAK_SAMPLE_S", "10"))
     epochs = int(os.environ.get("SOAK_EPOCHS", "200"))
-    run = LocalRun("--max-restarts", "100", job="soak", env={"EPOCHS": str(epochs), "SLOW_S": "0"})
+    ckpt = tempfile.mkdtemp(prefix="persia-soak-")  # every restart resumes from the latest cut
+    run = LocalRun("--max-restarts", "100", job="soak",
+                   env={"EPOCHS": str(epochs), "SLOW_S": "0", "PERSIA_CHECKPOINT_DIR": ckpt,
+                        "PERSIA_CHECKPOINT_INTERVAL_STEPS": os.environ.get("SOAK_CHECKPOINT_STEPS", "100")})
     targets = ["ps-0", "ew-0", "nn-rank-0", "dl-0", "nats-server"]
     samples: list[tuple[float, dict[str, float]]] = []
     faults: list[str] = []
@@ -92,10 +97,14 @@ def main() -> int:
     print("   t(s) " + " ".join(f"{n:>11}" for n in names))
     for t, s in samples[:: max(1, len(samples) // 30)]:
         print(f"{t:7.0f} " + " ".join(f"{s.get(n, 0):11.0f}" for n in names))
+    print("resumed:\n  " + "\n  ".join([l for l in run.lines if "resum" in l.lower()][-8:] or ["never"]))
     results = [l for l in run.lines if "PERSIA_RESULT" in l]
     if results:
         r = json.loads(results[-1].split("PERSIA_RESULT ", 1)[1])
         print("accounting:", {k: r[k] for k in r if k.startswith("batches_")})
+    else:  # stopped before the end: the NN worker's own balance when it left TrainCtx
+        print("accounting:", ([l for l in run.lines if "batches: sent" in l] or ["none logged"])[-1])
+    shutil.rmtree(ckpt, ignore_errors=True)
     return 0
 
 
