@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from persia.utils import find_free_port
+from tests.ports import free_ports
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -107,7 +107,7 @@ def test_local_mode_listens_on_loopback_only_with_a_metrics_port_per_role(tmp_pa
     (tmp_path / "dl.py").write_text(textwrap.dedent(DL))
     (tmp_path / "emb.yml").write_text("slots_config:\n  user: {dim: 4}\n")
     ready, go = tmp_path / "ready", tmp_path / "go"
-    base = find_free_port()
+    base = free_ports(16)  # below the ephemeral range: no port-0 bind can take a role's port first
     env = dict(os.environ, SEC_READY=str(ready), SEC_GO=str(go))
     cmd = [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(tmp_path / "nn.py"),
            "--data-loader", str(tmp_path / "dl.py"), "--embedding-config", str(tmp_path / "emb.yml"),

@@ -103,7 +103,7 @@ def main() -> int:
         r = json.loads(results[-1].split("PERSIA_RESULT ", 1)[1])
         print("accounting:", {k: r[k] for k in r if k.startswith("batches_")})
     else:  # stopped before the end: the NN worker's own balance when it left TrainCtx
-        print("accounting:", ([l for l in run.lines if "batches: sent" in l] or ["none logged"])[-1])
+        print("accounting:", ([l for l in run.lines if "batches: sent" in l or "; batches: " in l] or ["none logged"])[-1])
     shutil.rmtree(ckpt, ignore_errors=True)
     return 0
 

@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from persia.serving.local_stack import InferenceStack, post_json
-from tests.serving.test_metrics_catalog import assert_catalogued_metrics_served, free_ports
+from tests.ports import free_ports
+from tests.serving.test_metrics_catalog import assert_catalogued_metrics_served
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

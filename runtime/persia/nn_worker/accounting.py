@@ -85,10 +85,18 @@ def attach_metrics(metrics: Metrics) -> None:
     ACCOUNT.metrics = metrics
 
 
-def log_summary(rank: int) -> None:
+def log_summary(rank: int, complete: bool) -> None:
+    """The balance when training ends. ``complete``: the stream was trained to its end, so every
+    acknowledged batch must be accounted for; otherwise (stopped, failed) the batches of the epoch
+    in progress are not announced yet, and what arrived but was not finished is reported instead."""
     result = ACCOUNT.as_result()
-    left = ACCOUNT.unaccounted()
     line = ", ".join(f"{k.removeprefix('batches_')} {v}" for k, v in result.items())
+    if not complete:
+        done = ACCOUNT.trained + ACCOUNT.evaluated + sum(ACCOUNT.failed.values())
+        log.info("NN rank %d stopped before the end of its stream; batches: %s; received %d, %d of them "
+                 "not finished", rank, line, ACCOUNT.received, max(0, ACCOUNT.received - done))
+        return
+    left = ACCOUNT.unaccounted()
     if left:
         log.warning("NN rank %d batches: %s; %d acknowledged batches NOT accounted for", rank, line, left)
     else:

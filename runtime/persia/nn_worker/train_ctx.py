@@ -361,7 +361,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if graceful:
                 self._stop_between_steps()
         finally:
-            log_summary(self.rank)
+            log_summary(self.rank, complete=exc is None)
             try:  # data loaders still holding an end of stream for us need not wait for an answer
                 self.bus.publish(subject("nn", "done"), {"rank": self.rank})
             except Exception:  # noqa: BLE001 - best effort: they give up after 30 s otherwise

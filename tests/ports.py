@@ -1,0 +1,36 @@
+"""Ports for tests whose roles bind fixed ports (metrics exporters): chosen below the kernel's
+ephemeral range, so no server binding port 0 can take one between the check and the bind."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports below the kernel's ephemeral range, so that no
+    server binding port 0 (gRPC, nats-server, the DDP store, ``find_free_port``) can take one of
+    them between this check and the roles' binds (that race made a role fall back to another port)."""
+    import random
+
+    low = 1024
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    top = max(low, 10000 + n + 1)
+    for _ in range(200):
+        base = random.randint(10000, top - n - 1) if top - n - 1 > 10000 else random.randint(40000, 60000)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
