@@ -64,6 +64,7 @@ def test_periodic_checkpoints_are_published_atomically_and_retained(persia_env, 
     assert [e["step"] for e in got] == [3, 6]
     assert got[1]["path"] == str(root / "ckpt-000000000006")
     assert ctx.step == 8 and ctx.resumed_from is None and len(ctx.checkpoint_seconds) == 2
+    assert ctx.metrics.get("checkpoint_time_cost_sec_count") == 2  # on /metrics too
     assert latest[0] == {"step": 6, "time": got[1]["time"], "path": got[1]["path"], "resumed_from": None}
 
 
@@ -181,6 +182,7 @@ def test_a_checkpoint_that_cannot_be_written_is_an_error_line_not_the_end_of_tra
     with cluster():
         ctx = run_job(Model(), 4, tmp_path, checkpoint_interval_steps=2)
     assert ctx.step == 4 and ctx.checkpoint_failures == 2 and ctx.last_checkpoint is None
+    assert ctx.metrics.get("checkpoint_failures") == 2
     assert not list((tmp_path / "ckpts").glob("ckpt-*"))
     failed = [r.getMessage() for r in caplog.records if "checkpoint of step" in r.getMessage()]
     assert len(failed) == 2 and "outside the checkpoint root" in failed[0], failed

@@ -229,6 +229,7 @@ class PeriodicCheckpointing:
                 marker = self._write_cut(directory, per_rank)
             except Exception as exc:  # noqa: BLE001 - a full disk must not end days of training
                 self.checkpoint_failures += 1
+                self._checkpoint_metric("inc", "checkpoint_failures")
                 log.error("checkpoint of step %d failed, training goes on (the last published checkpoint, %s, "
                           "stands): %s: %s", self.step, (self.last_checkpoint or {}).get("path"),
                           type(exc).__name__, exc)
@@ -237,8 +238,14 @@ class PeriodicCheckpointing:
         elapsed = time.monotonic() - t0
         if marker is not None:
             self.checkpoint_seconds.append(elapsed)
+            self._checkpoint_metric("observe", "checkpoint_time_cost_sec", elapsed)
             log.info("checkpoint step %d published at %s (%.2fs)", self.step, marker["path"], elapsed)
         return marker
+
+    def _checkpoint_metric(self, op: str, name: str, *args) -> None:
+        metrics = getattr(self, "metrics", None)  # the NN worker's (TrainCtx), on /metrics
+        if metrics is not None:
+            getattr(metrics, op)(name, *args)
 
     def _write_cut(self, directory: Path, per_rank: list[dict[int, int]]) -> dict:
         progress = {"step": self.step, "world_size": self.world_size, "loaders": plan.merge_positions(per_rank)}

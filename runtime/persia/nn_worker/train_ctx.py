@@ -109,7 +109,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._subs = self._serve_checkpoint_subjects()
         self._worker_clients()
         self._install_sigterm()
-        attach_metrics(Metrics("nn_worker", self.rank))
+        self.metrics = Metrics("nn_worker", self.rank)
+        attach_metrics(self.metrics)
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
 
     def _info(self, _req) -> dict:
