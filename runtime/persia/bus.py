@@ -314,9 +314,20 @@ class NatsBus:
                 self.run(self.nc.close(), 1)
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
+        try:  # tasks left on the loop would be collected after it closed, each with a traceback
+            self.run(_cancel_other_tasks(), 2)
+        except Exception:  # noqa: BLE001
+            pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def _cancel_other_tasks() -> None:
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in others:
+        t.cancel()
+    await asyncio.gather(*others, return_exceptions=True)
 
 
 _last_rejection = [0.0]

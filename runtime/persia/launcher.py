@@ -184,6 +184,20 @@ def run_data_loader(args) -> int:
     return 0  # not reached
 
 
+def _wait_for_stop(stop: threading.Event, role: str) -> None:
+    """Until SIGTERM/SIGINT; under local mode (``PERSIA_EXIT_WITH_PARENT=1``) also until the
+    launcher is gone: the kernel's parent-death signal (persia.procs) is the first line, this poll
+    the second, so no server outlives its job whatever happened to the launcher."""
+    if os.environ.get("PERSIA_EXIT_WITH_PARENT") != "1":
+        stop.wait()
+        return
+    parent = os.getppid()
+    while not stop.wait(1.0):
+        if os.getppid() != parent:
+            log.warning("%s: the launcher that started it (pid %d) is gone; shutting down", role, parent)
+            return
+
+
 def _serve_forever(role: str, start) -> int:
     from persia.bus import NatsBus
     from persia.logger import setup_logging
@@ -216,7 +230,7 @@ def _serve_forever(role: str, start) -> int:
     server = start(make_bus)
     serving.set()
     start_exporter()
-    stop.wait()
+    _wait_for_stop(stop, role)
     log.info("%s shutting down", role)
     server.stop()
     if profiler is not None:

@@ -109,6 +109,7 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
         MKL_NUM_THREADS="1",
         OPENBLAS_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
+        PERSIA_EXIT_WITH_PARENT="1",  # servers also poll for the launcher (persia.launcher)
     )
     if args.global_config:
         common["PERSIA_GLOBAL_CONFIG"] = os.path.abspath(args.global_config)
