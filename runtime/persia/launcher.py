@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from persia.procs import spawn
 
@@ -184,16 +185,15 @@ def run_data_loader(args) -> int:
     return 0  # not reached
 
 
-def _wait_for_stop(stop: threading.Event, role: str) -> None:
+def _wait_for_stop(signalled: list, role: str) -> None:
     """Until SIGTERM/SIGINT; under local mode (``PERSIA_EXIT_WITH_PARENT=1``) also until the
     launcher is gone: the kernel's parent-death signal (persia.procs) is the first line, this poll
     the second, so no server outlives its job whatever happened to the launcher."""
-    if os.environ.get("PERSIA_EXIT_WITH_PARENT") != "1":
-        stop.wait()
-        return
+    watch_parent = os.environ.get("PERSIA_EXIT_WITH_PARENT") == "1"
     parent = os.getppid()
-    while not stop.wait(1.0):
-        if os.getppid() != parent:
+    while not signalled:
+        time.sleep(0.2)  # polling a list the signal handler appends to: no lock shared with it
+        if watch_parent and os.getppid() != parent:
             log.warning("%s: the launcher that started it (pid %d) is gone; shutting down", role, parent)
             return
 
@@ -204,12 +204,14 @@ def _serve_forever(role: str, start) -> int:
     from persia.metrics import start_exporter
 
     setup_logging(role)
-    stop = threading.Event()
-    serving = threading.Event()
+    # The handler takes no lock (an Event.set() there deadlocked when the signal landed while
+    # this thread was inside the same Event's wait): it appends, and the main thread polls.
+    signalled: list[int] = []
+    serving = [False]
 
     def on_signal(signum, _frame):
-        stop.set()
-        if not serving.is_set():  # still connecting (NATS unreachable?): nothing to shut down
+        signalled.append(signum)
+        if not serving[0]:  # still connecting (NATS unreachable?): nothing to shut down
             raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -228,9 +230,9 @@ def _serve_forever(role: str, start) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
     server = start(make_bus)
-    serving.set()
+    serving[0] = True
     start_exporter()
-    _wait_for_stop(stop, role)
+    _wait_for_stop(signalled, role)
     log.info("%s shutting down", role)
     server.stop()
     if profiler is not None:

@@ -8,7 +8,6 @@ it is tested without starting anything.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -211,6 +210,7 @@ class LocalJob:
         self.events: queue.Queue = queue.Queue()
         self.generation = 0
         self.restarts = 0
+        self.signals: list[int] = []
 
     # -- processes --------------------------------------------------------------------------------
     def start_roles(self) -> None:
@@ -242,13 +242,16 @@ class LocalJob:
         self.start_roles()
         self.watch_nats()
         while True:
-            event = self.events.get()
-            if event[0] == "signal":
-                signum = event[1]
+            if self.signals:  # appended by the signal handler, which takes no lock
+                signum = self.signals[0]
                 self.out.line("local", f"{signal.Signals(signum).name}: stopping every role")
                 # Ctrl-C means now; SIGTERM (a supervisor's stop) gives roles their grace period.
                 self.stop_roles(min(2.0, self.grace_s) if signum == signal.SIGINT else self.grace_s)
                 return ["interrupted" if signum == signal.SIGINT else "terminated"]
+            try:
+                event = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
             if event[0] == "nats":
                 failure = self._on_nats_exit(event[1])
                 if failure:
@@ -315,15 +318,15 @@ def run_local(args) -> int:
         out.line("local", f"nats-server on {url} (authenticated; credentials passed to roles in env); "
                           f"starting {len(roles)} role processes")
     job = LocalJob(roles, nats, out, secret_env, max_restarts=args.max_restarts, grace_s=args.grace_period)
-    interrupts: list[int] = []
+    interrupts = job.signals
 
     def on_signal(signum, _frame):
+        # no lock here (a queue's put could deadlock with the main thread inside its get)
         interrupts.append(signum)
         if len(interrupts) > 1:  # a second Ctrl-C: no more waiting
             for p in job.procs.values():
                 if p.poll() is None:
                     p.kill()
-        job.events.put(("signal", signum))
 
     old_int = signal.signal(signal.SIGINT, on_signal)
     old_term = signal.signal(signal.SIGTERM, on_signal)

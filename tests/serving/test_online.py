@@ -39,6 +39,18 @@ def probe_body() -> dict:
     return {"id_type_features": ids, "non_id_type_features": {"dense": b.non_id_type_features[0].data.tolist()}}
 
 
+def scrape(port: int, job: subprocess.Popen, deadline_s: float = 20.0) -> str:
+    """A role's /metrics, polled until its exporter answers (it starts after the role's server)."""
+    end = time.monotonic() + deadline_s
+    while True:
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        except OSError as exc:
+            if time.monotonic() > end or job.poll() is not None:
+                raise AssertionError(f"no metrics on port {port}: {exc}") from exc
+            time.sleep(0.2)
+
+
 def test_online_training_refreshes_a_running_model_server(tmp_path):
     ec = tmp_path / "embedding_config.yml"
     ec.write_text(yaml.safe_dump(EMBEDDING_CONFIG))
@@ -82,9 +94,8 @@ def test_online_training_refreshes_a_running_model_server(tmp_path):
         assert 'persia_serving_model_loads_total{result="ok"}' in metrics
         assert any(p.name.startswith("inc_") for p in (tmp_path / "inc").glob("s*/inc_*"))
         # every role of both jobs serves the catalogued metrics (docs/metrics.md), while they run
-        scrapes = [metrics] + [
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-            for port in [*range(train_metrics, train_metrics + 3), *range(infer_metrics, infer_metrics + 2)]]
+        scrapes = [metrics] + [scrape(port, job) for port in
+                               [*range(train_metrics, train_metrics + 3), *range(infer_metrics, infer_metrics + 2)]]
         assert_catalogued_metrics_served(scrapes)
     finally:
         stack.stop()
