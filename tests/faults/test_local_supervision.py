@@ -33,25 +33,17 @@ def test_nats_server_killed_is_restarted_and_training_completes():
     assert "Traceback" not in run.text
 
 
-def test_ps_killed_restarts_the_job():
-    run = LocalRun(job="f-ps")
-    ps = run.pid_of("ps-0")
+@pytest.mark.parametrize("server", ["ps-0", "ew-0"])
+def test_a_server_killed_restarts_the_job(server):
+    # a PS's embeddings, an embedding worker's buffered batches die with it: the whole job restarts
+    # (from the latest checkpoint when one is configured), nothing half-trained, new servers used
+    run = LocalRun(job=f"f-{server}")
+    pid = run.pid_of(server)
     run.wait_for(r"nn_worker: batch 50 ")
-    os.kill(ps, signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
     assert run.finish() == 0, run.text[-4000:]
-    assert "server ps-0 exited (killed by SIGKILL); restarting the job (1/3)" in run.text
+    assert f"server {server} exited (killed by SIGKILL); restarting the job (1/3)" in run.text
     assert "after 1 restart(s)" in run.text
-
-
-def test_embedding_worker_killed_restarts_the_job():
-    # its buffered batches die with it: the whole job restarts (from the latest checkpoint when
-    # one is configured), so no batch is half-trained and the NN worker uses the new worker
-    run = LocalRun(job="f-ew")
-    ew = run.pid_of("ew-0")
-    run.wait_for(r"nn_worker: batch 50 ")
-    os.kill(ew, signal.SIGKILL)
-    assert run.finish() == 0, run.text[-4000:]
-    assert "server ew-0 exited (killed by SIGKILL); restarting the job (1/3)" in run.text
     assert '"batches_trained": 255' in run.text
 
 
