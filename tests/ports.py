@@ -3,6 +3,7 @@ ephemeral range, so no server binding port 0 can take one between the check and 
 
 from __future__ import annotations
 
+import secrets
 import socket
 from pathlib import Path
 
@@ -11,7 +12,9 @@ def free_ports(n: int) -> int:
     """The first of ``n`` consecutive free ports below the kernel's ephemeral range, so that no
     server binding port 0 (gRPC, nats-server, the DDP store, ``find_free_port``) can take one of
     them between this check and the roles' binds (that race made a role fall back to another port)."""
-    import random
+    # SystemRandom: tests seed the random module (setup_seed), which made every run pick the same
+    # ports, and the same ports as an earlier test of the session
+    random = secrets.SystemRandom()
 
     low = 1024
     try:

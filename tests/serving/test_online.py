@@ -47,7 +47,9 @@ def scrape(port: int, job: subprocess.Popen, deadline_s: float = 20.0) -> str:
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         except OSError as exc:
             if time.monotonic() > end or job.poll() is not None:
-                raise AssertionError(f"no metrics on port {port}: {exc}") from exc
+                ended = f"the job ended ({job.returncode}):\n{job.communicate()[0][-3000:]}" if job.poll() is not None \
+                    else "the job still runs"
+                raise AssertionError(f"no metrics on port {port}: {exc}; {ended}") from exc
             time.sleep(0.2)
 
 
