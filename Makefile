@@ -32,8 +32,11 @@ serve-demo: $(STAMP)
 
 # e2e/tests runs in a pytest of its own: tests/e2e is a package named `e2e` too. Its fast
 # parts (harness units, kubectl against the stand-in cluster) run here; the scenarios skip.
+# tests/serving/test_online.py runs in a pytest of its own: inside the whole suite one role's
+# metrics port stays silent (passes alone, every time); a leak between tests, still to be found.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/serving/test_online.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/serving/test_online.py
 	$(PY) -m pytest -q -p no:cacheprovider e2e/tests
 
 ## Fault injection alone (real processes, real signals); also part of `make test`.
