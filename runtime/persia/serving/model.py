@@ -82,7 +82,7 @@ class DenseModel:
             return False
         try:
             model = torch.jit.load(str(target), map_location=self.device)
-            model.train(False)  # inference mode (what .eval() does)
+            model.train(False)  # inference mode: dropout off, batch-norm statistics frozen
         except Exception as exc:  # noqa: BLE001 - a partial or foreign file: keep the old model
             self.last_error = f"{target}: {type(exc).__name__}: {exc}"
             log.warning("cannot load model %s (keeping the current one): %s", target, exc)
