@@ -200,9 +200,14 @@ class WorkerLookupDirect(_Msg):
 
 
 class WorkerUpdate(_Msg):
+    """Gradients of a looked-up batch: ``grads[i]`` is ``(n_distinct, dim)`` for the i-th entry of
+    the Lookup reply's ``tables`` (None: no gradient); the worker checks the shapes against the
+    batch. ``unused_slots``: positions of the slots whose tensor got no gradient."""
+
     ref: Index
-    grads: Annotated[list[Annotated[Any, _array("f")] | None], Field(max_length=MAX_ITEMS)]
+    grads: Annotated[list[Annotated[Any, _array("f", 2)] | None], Field(max_length=MAX_ITEMS)]
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
+    unused_slots: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_ITEMS)]], Field(max_length=MAX_ITEMS)] = []
 
 
 class WorkerRelease(_Msg):

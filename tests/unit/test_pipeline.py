@@ -1,13 +1,17 @@
-"""The embedding worker's vectorized pipeline against a per-ID Python reference."""
+"""The embedding worker's vectorized pipeline and the NN's tensors built from its lookup reply,
+against a per-ID Python reference (what the model receives, and the gradient each distinct ID
+gets, equal the old per-slot pooling and gradient reduction)."""
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.pipeline import SlotSpec, UnknownSlotError
 from persia.hashing import add_index_prefix, hash_stack, shard_of
+from persia.nn_worker import embedding_tensors
 
 PREFIX_BIT = 8
 
@@ -34,71 +38,130 @@ def lookup_rows(batch):
             for d, signs in batch.tables.items()}
 
 
+def signs_of(ids, s):
+    return add_index_prefix(np.asarray(ids, dtype=np.uint64), s.index_prefix, PREFIX_BIT)
+
+
+def run(features, bs, slots, upstream=None, unused=()):
+    """Worker lookup -> NN tensors -> backward of sum(emb_i * upstream_i) -> worker's checked grads."""
+    prepared = pipeline.prepare(features, bs, slots, PREFIX_BIT)
+    reply = pipeline.lookup_reply(prepared, lookup_rows(prepared))
+    built = embedding_tensors.build(reply["tables"], reply["slots"], "cpu", requires_grad=upstream is not None)
+    checked = None
+    if upstream is not None:
+        loss = sum((e * torch.from_numpy(g)).sum() for i, (e, g) in enumerate(zip(built.emb, upstream))
+                   if i not in unused)
+        loss.backward()
+        grads = [None if leaf.grad is None else leaf.grad.numpy() for leaf in built.leaves]
+        unused_slots = [i for i, u in enumerate(built.used) if not u]
+        checked = pipeline.check_gradients(prepared, grads, 1.0, unused_slots)
+    return prepared, [e.detach().numpy() for e in built.emb], checked
+
+
+def reference_sum(samples, s):
+    """Per-ID reference of one summed slot: (pooled tensor, sample -> list of (sign, factor))."""
+    out, occ = [], []
+    for ids in samples:
+        signs = signs_of(ids, s)
+        f = 1.0 / np.sqrt(len(ids)) if s.sqrt_scaling and len(ids) else 1.0
+        out.append(sum((row_of(x, s.dim) for x in signs), np.zeros(s.dim, np.float32)) * np.float32(f))
+        occ.append([(int(x), f) for x in signs])
+    return np.stack(out), occ
+
+
+def grad_of_sign(prepared, checked, dim, sign):
+    table = prepared.tables[dim].tolist()
+    return checked.grads[dim][table.index(sign)]
+
+
 samples_st = st.lists(st.lists(st.integers(0, 2**64 - 1), max_size=6), min_size=1, max_size=12)
 
 
 @settings(max_examples=60, deadline=None)
 @given(a=samples_st, b_seed=st.integers(0, 1000), sqrt=st.booleans())
-def test_sum_pooling_matches_reference(a, b_seed, sqrt):
+def test_sum_pooling_and_gradients_match_the_per_id_reference(a, b_seed, sqrt):
     bs = len(a)
     rng = np.random.default_rng(b_seed)
     b = [list(rng.integers(0, 50, size=rng.integers(0, 4), dtype=np.uint64)) for _ in range(bs)]
     slots = {"a": spec("a", 4, 0, sqrt_scaling=sqrt), "b": spec("b", 4, 1)}
-    va, oa = csr(a)
-    vb, ob = csr(b)
-    prepared = pipeline.prepare(
-        [{"name": "a", "values": va, "offsets": oa}, {"name": "b", "values": vb, "offsets": ob}], bs, slots, PREFIX_BIT
-    )
-    pooled = pipeline.pool(prepared, lookup_rows(prepared))
-    for out, samples, s in zip(pooled, (a, b), (slots["a"], slots["b"])):
-        for i, ids in enumerate(samples):
-            signs = add_index_prefix(np.asarray(ids, dtype=np.uint64), s.index_prefix, PREFIX_BIT)
-            expect = sum((row_of(x, 4) for x in signs), np.zeros(4, np.float32))
-            if s.sqrt_scaling and len(ids):
-                expect = expect / np.sqrt(len(ids))
-            np.testing.assert_allclose(out["emb"][i], expect, rtol=1e-5, atol=1e-6)
+    (va, oa), (vb, ob) = csr(a), csr(b)
+    features = [{"name": "a", "values": va, "offsets": oa}, {"name": "b", "values": vb, "offsets": ob}]
+    upstream = [rng.standard_normal((bs, 4)).astype(np.float32) for _ in range(2)]
+    prepared, emb, checked = run(features, bs, slots, upstream)
+    expect: dict[int, np.ndarray] = {}  # the old reduction: each occurrence's gradient into its sign
+    for out, samples, s, g in zip(emb, (a, b), (slots["a"], slots["b"]), upstream):
+        ref, occ = reference_sum(samples, s)
+        assert out.shape == (bs, 4) and out.dtype == np.float32
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+        for i, pairs in enumerate(occ):
+            for sign, f in pairs:
+                expect[sign] = expect.get(sign, np.zeros(4)) + g[i] * f
+    assert checked.touched[4] is None  # every row occurs in a used slot
+    assert len(expect) == prepared.tables[4].size
+    for sign, total in expect.items():
+        np.testing.assert_allclose(grad_of_sign(prepared, checked, 4, sign), total, rtol=1e-4, atol=1e-5)
 
 
-@settings(max_examples=60, deadline=None)
-@given(a=samples_st, seed=st.integers(0, 1000), sqrt=st.booleans())
-def test_gradient_reduction_is_the_adjoint_of_pooling(a, seed, sqrt):
-    """<pool(E), G> == <E, reduce(G)> for every E, G: the reduced gradient is exactly d(loss)/d(row)."""
-    bs = len(a)
-    slots = {"a": spec("a", 3, 0, sqrt_scaling=sqrt)}
-    va, oa = csr(a)
-    prepared = pipeline.prepare([{"name": "a", "values": va, "offsets": oa}], bs, slots, PREFIX_BIT)
-    rng = np.random.default_rng(seed)
-    rows = {3: rng.standard_normal((prepared.tables[3].size, 3)).astype(np.float32)}
-    g = rng.standard_normal((bs, 3)).astype(np.float32)
-    pooled = pipeline.pool(prepared, rows)[0]["emb"]
-    reduced = pipeline.reduce_gradients(prepared, [g])
-    lhs = float((pooled.astype(np.float64) * g).sum())
-    rhs = float((rows[3].astype(np.float64) * reduced.grads[3]).sum())
-    assert lhs == pytest.approx(rhs, rel=1e-4, abs=1e-4)
-    # only signs that occur are touched (IDs folding onto one sign under the prefix count once)
-    assert reduced.touched[3].sum() == np.unique(add_index_prefix(va, slots["a"].index_prefix, PREFIX_BIT)).size
+def test_one_id_per_sample_slots_gather_together_and_add_up_repeats():
+    """Single-ID slots (Criteo-style) are one gather per dim; repeated IDs within and across
+    slots must still add up, and mixed dims keep their own tables."""
+    slots = {"a": spec("a", 3, 0, sqrt_scaling=True), "b": spec("b", 3, 1), "c": spec("c", 2, 2)}
+    a, b, c = [[7], [7], [9], [7]], [[1], [2], [1], [1]], [[4], [4], [4], [5]]
+    features = [{"name": n, "values": v, "offsets": o} for n, (v, o) in zip("abc", (csr(a), csr(b), csr(c)))]
+    rng = np.random.default_rng(0)
+    upstream = [rng.standard_normal((4, s.dim)).astype(np.float32) for s in slots.values()]
+    prepared, emb, checked = run(features, 4, slots, upstream)
+    assert all(s.one_per_sample for s in prepared.slots)
+    assert list(prepared.tables) == [3, 2] and prepared.tables[3].size == 4 and prepared.tables[2].size == 2
+    for out, samples, s, g in zip(emb, (a, b, c), slots.values(), upstream):
+        expect = {}
+        for i, (x,) in enumerate(samples):
+            sign = int(signs_of([x], s)[0])
+            np.testing.assert_array_equal(out[i], row_of(sign, s.dim))
+            expect[sign] = expect.get(sign, np.zeros(s.dim)) + g[i]
+        for sign, total in expect.items():
+            np.testing.assert_allclose(grad_of_sign(prepared, checked, s.dim, sign), total, rtol=1e-6, atol=1e-6)
+    ragged = pipeline.prepare([{"name": "b", "values": csr([[1], [], [2, 1], [1]])[0],
+                                "offsets": csr([[1], [], [2, 1], [1]])[1]}], 4, slots, PREFIX_BIT)
+    assert not ragged.slots[0].one_per_sample  # same nnz as the batch size, but not one per sample
 
 
-def test_raw_slot_layout_and_gradients():
-    slots = {"r": spec("r", 2, 0, embedding_summation=False, sample_fixed_size=2)}
+def test_raw_slot_tensor_mask_and_gradients():
+    slots = {"r": spec("r", 2, 0, embedding_summation=False, sample_fixed_size=2), "s": spec("s", 2, 1)}
     samples = [[5, 6, 7], [], [6]]  # 7 is past sample_fixed_size and dropped
-    v, o = csr(samples)
-    prepared = pipeline.prepare([{"name": "r", "values": v, "offsets": o}], 3, slots, PREFIX_BIT)
-    rows = lookup_rows(prepared)
-    out = pipeline.pool(prepared, rows)[0]
-    distinct, index = out["distinct"], out["index"]
-    assert distinct.shape == (3, 2)  # padding + {5, 6}
-    np.testing.assert_array_equal(distinct[0], 0)
-    assert index.shape == (3, 2)
-    assert index[1].tolist() == [0, 0]
-    signs = add_index_prefix(np.array([5, 6], np.uint64), slots["r"].index_prefix, PREFIX_BIT)
-    np.testing.assert_allclose(distinct[index[0, 0]], row_of(signs[0], 2))
-    np.testing.assert_allclose(distinct[index[0, 1]], row_of(signs[1], 2))
-    np.testing.assert_allclose(distinct[index[2, 0]], row_of(signs[1], 2))
-    grad = np.arange(6, dtype=np.float32).reshape(3, 2)
-    reduced = pipeline.reduce_gradients(prepared, [grad])
-    # 7 was dropped: its row is not touched, so no optimizer step is applied to it
-    assert reduced.touched[2].sum() == 2
+    (v, o), (vs, os_) = csr(samples), csr([[1], [1], [2]])
+    features = [{"name": "r", "values": v, "offsets": o}, {"name": "s", "values": vs, "offsets": os_}]
+    upstream = [np.arange(18, dtype=np.float32).reshape(3, 2, 3), np.ones((3, 2), np.float32)]
+    prepared, emb, checked = run(features, 3, slots, upstream)
+    raw = emb[0]
+    assert raw.shape == (3, 2, 3) and raw.dtype == np.float32  # (bs, sample_fixed_size, dim + mask)
+    s5, s6, s7 = (int(x) for x in signs_of([5, 6, 7], slots["r"]))
+    np.testing.assert_array_equal(raw[0, 0], np.append(row_of(s5, 2), 1))
+    np.testing.assert_array_equal(raw[0, 1], np.append(row_of(s6, 2), 1))
+    np.testing.assert_array_equal(raw[1], 0)  # padding: zero rows, mask 0
+    np.testing.assert_array_equal(raw[2, 0], np.append(row_of(s6, 2), 1))
+    np.testing.assert_array_equal(raw[2, 1], 0)
+    np.testing.assert_allclose(grad_of_sign(prepared, checked, 2, s5), upstream[0][0, 0, :2])
+    np.testing.assert_allclose(grad_of_sign(prepared, checked, 2, s6), upstream[0][0, 1, :2] + upstream[0][2, 0, :2])
+    # 7 was dropped: its row gets no update at all (not even a zero gradient)
+    mask = checked.touched[2]
+    table = prepared.tables[2].tolist()
+    assert not mask[table.index(s7)] and mask.sum() == len(table) - 1
+    parts = pipeline.split_gradients(prepared.tables, pipeline.split_by_shard(prepared.tables, 1), checked)
+    assert s7 not in parts[0][0]["signs"].tolist() and len(parts[0][0]["signs"]) == len(table) - 1
+
+
+def test_raw_hash_stack_sqrt_scaling_scales_rows_not_the_mask():
+    slots = {"r": spec("r", 2, 0, embedding_summation=False, sample_fixed_size=4, sqrt_scaling=True,
+                       hash_stack_rounds=4, hash_stack_embedding_size=100)}
+    v, o = csr([[11], [12]])
+    prepared, emb, _ = run([{"name": "r", "values": v, "offsets": o}], 2, slots)
+    buckets = hash_stack(v, 4, 100)
+    for i in range(2):
+        for k in range(4):
+            sign = int(signs_of([buckets[i, k]], slots["r"])[0])
+            np.testing.assert_allclose(emb[0][i, k, :2], row_of(sign, 2) * np.float32(0.5), rtol=1e-6)
+    np.testing.assert_array_equal(emb[0][:, :, 2], 1)
 
 
 def test_hash_stack_expands_ids():
@@ -109,6 +172,20 @@ def test_hash_stack_expands_ids():
     buckets = hash_stack(v, 2, 10)
     assert (buckets[:, 0] < 10).all() and ((buckets[:, 1] >= 10) & (buckets[:, 1] < 20)).all()
     assert prepared.tables[2].size <= 6
+
+
+def test_unused_slot_rows_get_no_update_unless_shared():
+    """A slot the model does not use gets no gradient (PERSIA skips it); a row it shares with a
+    used slot of the same dim is still updated."""
+    slots = {"a": spec("a", 2, 0), "b": spec("b", 2, 0)}  # one feature group: shared signs
+    (va, oa), (vb, ob) = csr([[1], [2]]), csr([[2], [3]])
+    features = [{"name": "a", "values": va, "offsets": oa}, {"name": "b", "values": vb, "offsets": ob}]
+    upstream = [np.ones((2, 2), np.float32)] * 2
+    prepared, _, checked = run(features, 2, slots, upstream, unused={1})
+    table = prepared.tables[2].tolist()
+    s1, s2, s3 = (int(x) for x in signs_of([1, 2, 3], slots["a"]))
+    assert [bool(checked.touched[2][table.index(s)]) for s in (s1, s2, s3)] == [True, True, False]
+    np.testing.assert_allclose(grad_of_sign(prepared, checked, 2, s2), [1, 1])
 
 
 def test_unknown_slot_and_bad_csr_are_rejected_with_names():
@@ -122,17 +199,33 @@ def test_unknown_slot_and_bad_csr_are_rejected_with_names():
         pipeline.validate_features([{"name": "a", "values": v, "offsets": o}], 2, slots)
 
 
-def test_non_finite_gradient_skips_the_slot_only():
-    slots = {"a": spec("a", 2, 0), "b": spec("b", 2, 1)}
+def test_malformed_gradients_are_refused_naming_field_and_value():
+    slots = {"a": spec("a", 2, 0), "b": spec("b", 3, 1)}
+    (v, o) = csr([[1], [2]])
+    prepared = pipeline.prepare([{"name": "a", "values": v, "offsets": o}, {"name": "b", "values": v, "offsets": o}],
+                                2, slots, PREFIX_BIT)
+    good = [np.zeros((2, 2), np.float32), np.zeros((2, 3), np.float32)]
+    with pytest.raises(ValueError, match=r"field 'grads\[1\]': expected shape \(2, 3\) .*dim 3.*got \(2, 2\)"):
+        pipeline.check_gradients(prepared, [good[0], good[0]])
+    with pytest.raises(ValueError, match=r"field 'grads': expected 2 per-dim gradients \(dims \[2, 3\]\), got 1"):
+        pipeline.check_gradients(prepared, good[:1])
+    with pytest.raises(ValueError, match=r"field 'unused_slots': slot position 5 out of range 0..1"):
+        pipeline.check_gradients(prepared, good, unused_slots=[5])
+    checked = pipeline.check_gradients(prepared, [good[0], None], scale=4.0)
+    assert set(checked.grads) == {2}  # a dim without gradient sends nothing
+
+
+def test_non_finite_gradient_skips_its_dim_only_and_names_its_slots():
+    slots = {"a": spec("a", 2, 0), "a2": spec("a2", 2, 2), "b": spec("b", 3, 1)}
     v, o = csr([[1], [2]])
-    prepared = pipeline.prepare(
-        [{"name": "a", "values": v, "offsets": o}, {"name": "b", "values": v, "offsets": o}], 2, slots, PREFIX_BIT
-    )
-    bad = np.array([[np.nan, 0], [0, 0]], np.float32)
-    good = np.ones((2, 2), np.float32)
-    reduced = pipeline.reduce_gradients(prepared, [bad, good])
-    assert reduced.skipped_non_finite == ["a"]
-    assert reduced.touched[2].sum() == 2  # only b's two signs
+    prepared = pipeline.prepare([{"name": n, "values": v, "offsets": o} for n in slots], 2, slots, PREFIX_BIT)
+    bad = np.zeros((prepared.tables[2].size, 2), np.float32)
+    bad[0, 1] = np.nan
+    good = np.full((2, 3), 8.0, np.float32)
+    checked = pipeline.check_gradients(prepared, [bad, good], scale=2.0)
+    assert checked.skipped_non_finite == ["a", "a2"]
+    assert set(checked.grads) == {3}
+    np.testing.assert_array_equal(checked.grads[3], 4.0)  # the loss scale undone
 
 
 def test_split_by_shard_partitions_every_sign():
@@ -144,30 +237,23 @@ def test_split_by_shard_partitions_every_sign():
         assert (shard_of(signs[p[8]], 3) == s).all()
 
 
-def test_one_id_per_sample_fast_path_matches_the_per_id_reference():
-    """Single-ID slots (every sample one ID, as in Criteo-style data) pool by a plain gather and
-    reduce all slots of a dim at once; repeated IDs within and across slots must still add up."""
-    slots = {"a": spec("a", 3, 0, sqrt_scaling=True), "b": spec("b", 3, 1)}
-    a, b = [[7], [7], [9], [7]], [[1], [2], [1], [1]]
-    (va, oa), (vb, ob) = csr(a), csr(b)
-    features = [{"name": "a", "values": va, "offsets": oa}, {"name": "b", "values": vb, "offsets": ob}]
-    prepared = pipeline.prepare(features, 4, slots, PREFIX_BIT)
-    assert all(s.one_per_sample for s in prepared.slots)
-    rows = lookup_rows(prepared)
-    pooled = pipeline.pool(prepared, rows)
-    rng = np.random.default_rng(0)
-    grads = [rng.standard_normal((4, 3)).astype(np.float32) for _ in range(2)]
-    reduced = pipeline.reduce_gradients(prepared, grads)
-    expect = {}
-    for out, samples, s, g in zip(pooled, (a, b), (slots["a"], slots["b"]), grads):
-        for i, (x,) in enumerate(samples):
-            sign = int(add_index_prefix(np.array([x], np.uint64), s.index_prefix, PREFIX_BIT)[0])
-            np.testing.assert_allclose(out["emb"][i], row_of(sign, 3))
-            expect[sign] = expect.get(sign, np.zeros(3)) + g[i]
-    table = prepared.tables[3].tolist()
-    assert reduced.touched[3].all() and len(table) == len(expect) == 4  # 7, 9 in a; 1, 2 in b
-    for sign, total in expect.items():
-        np.testing.assert_allclose(reduced.grads[3][table.index(sign)], total, rtol=1e-6, atol=1e-6)
-    vr, or_ = csr([[1], [], [2, 1], [1]])  # same nnz as the batch size, but not one per sample
-    ragged = pipeline.prepare([{"name": "b", "values": vr, "offsets": or_}], 4, slots, PREFIX_BIT)
-    assert not ragged.slots[0].one_per_sample
+@pytest.mark.parametrize("shards", [1, 3])
+def test_rows_and_gradients_travel_to_and_from_the_right_replica(shards):
+    rng = np.random.default_rng(1)
+    tables = {4: np.unique(rng.integers(0, 2**63, size=300, dtype=np.uint64)), 2: np.empty(0, np.uint64)}
+    positions = pipeline.split_by_shard(tables, shards)
+    truth = {d: rng.standard_normal((s.size, d)).astype(np.float32) for d, s in tables.items()}
+    replies = [[truth[d][p] for d, p in part.items()] if part else None for part in positions]
+    rows = pipeline.assemble_rows(tables, positions, replies)
+    np.testing.assert_array_equal(rows[4], truth[4])
+    assert rows[2].shape == (0, 2)
+    touched = rng.random(tables[4].size) < 0.5
+    checked = pipeline.DimGradients(grads={4: truth[4]}, touched={4: touched}, skipped_non_finite=[])
+    sent = {}
+    for s, reqs in enumerate(pipeline.split_gradients(tables, positions, checked)):
+        for r in reqs:
+            assert (shard_of(r["signs"], shards) == s).all()
+            sent.update({int(x): g for x, g in zip(r["signs"], r["grads"])})
+    assert sorted(sent) == sorted(tables[4][touched].tolist())
+    for i in np.flatnonzero(touched):
+        np.testing.assert_array_equal(sent[int(tables[4][i])], truth[4][i])

@@ -1,9 +1,11 @@
 """Pure, vectorized batch processing of the embedding worker (no I/O, testable alone).
 
 ``prepare`` turns one batch of ID features into distinct signs per embedding dim (after hash stack
-and feature-group prefix); ``split_by_shard`` routes them to PS replicas; ``pool`` builds the
-per-slot tensors the model gets; ``reduce_gradients`` turns the model's gradients back into one
-gradient per distinct sign. No per-ID Python loop anywhere: loops run over slots and PS replicas.
+and feature-group prefix); ``split_by_shard`` routes them to PS replicas; ``lookup_reply`` is what
+the NN worker gets: each dim's distinct rows once plus, per slot, the index of every ID occurrence
+into them (the NN builds the per-slot tensors with torch, so its autograd sums each occurrence's
+gradient into its distinct row); ``check_gradients`` validates those per-dim gradients and picks the
+rows the PS must update. No pooling, no gradient reduction and no per-ID Python loop here.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ class SlotSpec:
 class PreparedSlot:
     spec: SlotSpec
     offsets: np.ndarray  # int64 (bs+1,), after hash-stack expansion
-    table_inverse: np.ndarray  # int64 (nnz,), row of each occurrence in the dim table
-    one_per_sample: bool = False  # every sample has exactly one ID (pooling is a plain gather)
+    table_inverse: np.ndarray  # int32 (nnz,), row of each occurrence in the dim table
+    one_per_sample: bool = False  # every sample has exactly one ID (its tensor is a plain gather)
     # raw (non-summed) slots only:
-    raw_rows: np.ndarray | None = None  # int64 (n_local,), table rows of the slot's distinct signs
-    raw_index: np.ndarray | None = None  # int64 (bs, sample_fixed_size), local row + 1, 0 = padding
+    raw_rows: np.ndarray | None = None  # int64, the table rows the slot keeps (its gradient's rows)
+    raw_index: np.ndarray | None = None  # int32 (bs, sample_fixed_size), table row + 1, 0 = padding
+    raw_dropped: bool = False  # some IDs lay past sample_fixed_size (their rows get no gradient)
 
 
 @dataclass
@@ -117,31 +120,32 @@ def prepare(
     for dim, idxs in by_dim.items():
         all_signs = np.concatenate([per_slot[i][1] for i in idxs]) if idxs else np.empty(0, np.uint64)
         uniq, inverse = np.unique(all_signs, return_inverse=True)
+        inverse = inverse.astype(np.int32)  # what goes on the wire (tables stay far below 2**31 rows)
         tables[dim] = uniq
         start = 0
         for i in idxs:
             spec, signs, offsets = per_slot[i]
-            inv = inverse[start : start + signs.size].astype(np.int64, copy=False)
+            inv = inverse[start : start + signs.size]
             start += signs.size
             one = inv.size == offsets.size - 1 and bool(np.array_equal(offsets, np.arange(offsets.size)))
             slot = PreparedSlot(spec=spec, offsets=offsets, table_inverse=inv, one_per_sample=one)
             if not spec.embedding_summation:
-                slot.raw_rows, slot.raw_index = _raw_layout(inv, offsets, spec.sample_fixed_size)
+                slot.raw_rows, slot.raw_index, slot.raw_dropped = _raw_layout(inv, offsets, spec.sample_fixed_size)
             prepared[i] = slot
     return PreparedBatch(batch_size=batch_size, slots=prepared, tables=tables)  # type: ignore[arg-type]
 
 
-def _raw_layout(inv: np.ndarray, offsets: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct rows of one raw slot and its ``(bs, k)`` index (local row + 1; 0 pads)."""
+def _raw_layout(inv: np.ndarray, offsets: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """A raw slot's kept table rows, its ``(bs, k)`` index (table row + 1; 0 pads) and whether
+    IDs past ``k`` were dropped."""
     bs = offsets.size - 1
     lengths = np.diff(offsets)
     sample_of = np.repeat(np.arange(bs), lengths)
     pos = np.arange(inv.size) - np.repeat(offsets[:-1], lengths)
     keep = pos < k  # IDs past sample_fixed_size are dropped, as in PERSIA
-    local_rows, local_inv = np.unique(inv[keep], return_inverse=True)
-    index = np.zeros((bs, k), dtype=np.int64)
-    index[sample_of[keep], pos[keep]] = local_inv + 1
-    return local_rows.astype(np.int64), index
+    index = np.zeros((bs, k), dtype=np.int32)
+    index[sample_of[keep], pos[keep]] = inv[keep] + 1
+    return np.unique(inv[keep]).astype(np.int64), index, not bool(keep.all())
 
 
 def split_by_shard(tables: dict[int, np.ndarray], num_shards: int) -> list[dict[int, np.ndarray]]:
@@ -158,118 +162,134 @@ def split_by_shard(tables: dict[int, np.ndarray], num_shards: int) -> list[dict[
     return out
 
 
-def _segment_sum(rows: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Sum ``rows`` over CSR segments; empty segments give zeros."""
-    bs = offsets.size - 1
-    out = np.zeros((bs, rows.shape[1]), dtype=np.float32)
-    lengths = np.diff(offsets)
-    nonempty = lengths > 0
-    if rows.shape[0]:
-        out[nonempty] = np.add.reduceat(rows, offsets[:-1][nonempty], axis=0)
-    return out
+def raw_scale(spec: SlotSpec) -> float:
+    """A raw slot's row factor: ``1/sqrt(hash_stack_rounds)`` for a sqrt-scaled hash-stacked slot."""
+    if spec.sqrt_scaling and spec.hash_stack_rounds > 0:
+        return float(np.float32(1.0 / np.sqrt(spec.hash_stack_rounds)))
+    return 1.0
 
 
-def _sqrt_scale(lengths: np.ndarray) -> np.ndarray:
-    return (1.0 / np.sqrt(np.maximum(lengths, 1))).astype(np.float32)
+def slot_layout(batch: PreparedBatch) -> list[dict]:
+    """Per slot, how the NN builds the model's tensor from its dim's distinct rows (int32 indices
+    into ``tables[dim]``).
 
-
-def pool(batch: PreparedBatch, rows: dict[int, np.ndarray]) -> list[dict]:
-    """Per slot, what the NN worker's model receives (float32).
-
-    Summed slot: ``{"name", "emb": (bs, dim)}``. Raw slot: ``{"name", "distinct": (n+1, dim),
-    "index": (bs, sample_fixed_size)}`` where row 0 of ``distinct`` is the zero padding row.
+    Summed slot: ``{"name", "dim", "index": (nnz,)}``, plus ``"offsets": (bs+1,)`` and
+    ``"sqrt_scaling"`` unless every sample has exactly one ID (then the tensor is the gather).
+    Raw slot: ``{"name", "dim", "raw_index": (bs, sample_fixed_size), "scale"}``, the index being
+    table row + 1 with 0 for padding (the model gets the rows times ``scale`` and the mask).
     """
     out = []
     for slot in batch.slots:
         spec = slot.spec
-        table = rows[spec.dim]
         if spec.embedding_summation:
-            emb = table[slot.table_inverse]  # a new array: one row per occurrence
-            if not slot.one_per_sample:  # with one ID per sample the sum is that row (and scale 1)
-                emb = _segment_sum(emb, slot.offsets)
-            if spec.sqrt_scaling and not slot.one_per_sample:
-                emb *= _sqrt_scale(np.diff(slot.offsets))[:, None]
-            out.append({"name": spec.name, "emb": emb})
+            entry = {"name": spec.name, "dim": spec.dim, "index": slot.table_inverse}
+            if not slot.one_per_sample:
+                entry["offsets"] = slot.offsets.astype(np.int32)  # embedding_bag: same dtype as index
+                entry["sqrt_scaling"] = spec.sqrt_scaling
         else:
-            distinct = np.zeros((slot.raw_rows.size + 1, spec.dim), dtype=np.float32)
-            distinct[1:] = table[slot.raw_rows]
-            if spec.sqrt_scaling and spec.hash_stack_rounds > 0:
-                distinct *= np.float32(1.0 / np.sqrt(spec.hash_stack_rounds))
-            out.append({"name": spec.name, "distinct": distinct, "index": slot.raw_index})
+            entry = {"name": spec.name, "dim": spec.dim, "raw_index": slot.raw_index, "scale": raw_scale(spec)}
+        out.append(entry)
     return out
 
 
+def lookup_reply(batch: PreparedBatch, rows: dict[int, np.ndarray]) -> dict:
+    """What a Lookup answers: ``tables`` (per dim, its distinct rows ``(n, dim)`` float32 in the
+    order of ``batch.tables[dim]``) and ``slots`` (:func:`slot_layout`)."""
+    return {"tables": [{"dim": d, "rows": rows[d]} for d in batch.tables], "slots": slot_layout(batch)}
+
+
+def assemble_rows(tables: dict[int, np.ndarray], positions: list[dict[int, np.ndarray]],
+                  replies: list[list[np.ndarray] | None]) -> dict[int, np.ndarray]:
+    """Each dim's rows in table order from the PS replicas' answers (``replies[s]``: the rows of
+    ``positions[s]``, dim by dim). A dim wholly on one replica is taken as it came (no copy)."""
+    rows: dict[int, np.ndarray] = {}
+    for s, reply in enumerate(replies):
+        if reply is None:
+            continue
+        for (d, p), r in zip(positions[s].items(), reply):
+            if p.size == tables[d].size:  # the whole table (positions are then 0..n-1, in order)
+                rows[d] = r
+                continue
+            if d not in rows:
+                rows[d] = np.empty((tables[d].size, d), dtype=np.float32)
+            rows[d][p] = r
+    for d, signs in tables.items():
+        if d not in rows:
+            if signs.size:
+                raise ValueError(f"no PS replica answered for the {signs.size} rows of dim {d}")
+            rows[d] = np.empty((0, d), dtype=np.float32)
+    return rows
+
+
 @dataclass
-class ReducedGradients:
-    grads: dict[int, np.ndarray]  # dim -> (n_distinct, dim) float32
-    touched: dict[int, np.ndarray]  # dim -> bool mask of signs that received a gradient
-    skipped_non_finite: list[str]  # slots whose gradient had NaN/inf and was dropped
+class DimGradients:
+    grads: dict[int, np.ndarray]  # dim -> (n_distinct, dim) float32, loss scale undone; absent: none
+    touched: dict[int, np.ndarray | None]  # dim -> bool mask of rows to update; None: every row
+    skipped_non_finite: list[str]  # slots of the dims whose gradient had NaN/inf (dropped whole)
 
 
-def reduce_gradients(batch: PreparedBatch, slot_grads: list[np.ndarray | None], scale: float = 1.0) -> ReducedGradients:
-    """Sum each occurrence's gradient into its distinct sign (per dim table).
+def check_gradients(batch: PreparedBatch, grads: list[np.ndarray | None], scale: float = 1.0,
+                    unused_slots: list[int] = ()) -> DimGradients:
+    """Validate the NN's per-dim gradients (``grads[i]`` belongs to the i-th dim of the lookup
+    reply's ``tables``, None: no gradient) and decide which rows the PS updates.
 
-    ``slot_grads[i]`` is ``(bs, dim)`` for a summed slot, ``(n+1, dim)`` (padding row first) for a
-    raw slot, or ``None`` when the model did not use the slot. ``scale`` undoes an AMP loss scale.
-    A slot with any non-finite gradient is skipped whole (and reported), as PERSIA did, but on
-    every batch.
+    ``unused_slots``: positions of the slots whose tensor got no gradient (the model did not use
+    them); their rows are updated only where a used slot shares them, as when each slot had its
+    own gradient. Rows of raw-slot IDs past ``sample_fixed_size`` get no update either. ``scale``
+    undoes an AMP loss scale. A dim with any non-finite gradient is skipped whole (and its slots
+    reported). Wrong shapes raise ValueError naming the field and the value.
     """
-    if len(slot_grads) != len(batch.slots):
-        raise ValueError(f"expected {len(batch.slots)} slot gradients, got {len(slot_grads)}")
-    rows_of: dict[int, list[np.ndarray]] = {d: [] for d in batch.tables}  # table row of each occurrence
-    grads_of: dict[int, list[np.ndarray]] = {d: [] for d in batch.tables}  # its gradient
-    skipped: list[str] = []
+    dims = list(batch.tables)
+    if len(grads) != len(dims):
+        raise ValueError(f"field 'grads': expected {len(dims)} per-dim gradients (dims {dims}), got {len(grads)}")
+    unused = set()
+    for x in unused_slots:
+        if not 0 <= x < len(batch.slots):
+            raise ValueError(f"field 'unused_slots': slot position {x} out of range 0..{len(batch.slots) - 1}")
+        unused.add(x)
     inv_scale = np.float32(1.0 / scale) if scale != 1.0 else None
-    for slot, g in zip(batch.slots, slot_grads):
+    out = DimGradients(grads={}, touched={}, skipped_non_finite=[])
+    for i, (d, g) in enumerate(zip(dims, grads)):
         if g is None:
             continue
-        spec = slot.spec
+        expect = (batch.tables[d].size, d)
+        if g.shape != expect:
+            raise ValueError(f"field 'grads[{i}]': expected shape {expect} (the distinct rows of dim {d} "
+                             f"in this batch), got {tuple(g.shape)}")
         g = np.asarray(g, dtype=np.float32)
         if not np.isfinite(g).all():
-            skipped.append(spec.name)
+            out.skipped_non_finite += [s.spec.name for s in batch.slots if s.spec.dim == d]
             continue
-        if inv_scale is not None:
-            g = g * inv_scale
-        if spec.embedding_summation:
-            if g.shape != (batch.batch_size, spec.dim):
-                raise ValueError(
-                    f"gradient of slot {spec.name!r}: expected shape {(batch.batch_size, spec.dim)}, got {g.shape}"
-                )
-            if slot.one_per_sample:
-                occ = g  # occurrence i is sample i, scale 1
-            else:
-                lengths = np.diff(slot.offsets)
-                if spec.sqrt_scaling:
-                    g = g * _sqrt_scale(lengths)[:, None]
-                occ = np.repeat(g, lengths, axis=0)
-            rows_of[spec.dim].append(slot.table_inverse)
-            grads_of[spec.dim].append(occ)
-        else:
-            expect = (slot.raw_rows.size + 1, spec.dim)
-            if g.shape != expect:
-                raise ValueError(f"gradient of raw slot {spec.name!r}: expected shape {expect}, got {g.shape}")
-            g = g[1:]
-            if spec.sqrt_scaling and spec.hash_stack_rounds > 0:
-                g = g * np.float32(1.0 / np.sqrt(spec.hash_stack_rounds))
-            rows_of[spec.dim].append(slot.raw_rows)
-            grads_of[spec.dim].append(g)
-    grads, touched = {}, {}
-    for d, signs in batch.tables.items():
-        grads[d] = np.zeros((signs.size, d), dtype=np.float32)
-        touched[d] = np.zeros(signs.size, dtype=bool)
-        if rows_of[d]:
-            rows = np.concatenate(rows_of[d])
-            _scatter_add_rows(grads[d], rows, np.concatenate(grads_of[d]))
-            touched[d][rows] = True
-    return ReducedGradients(grads=grads, touched=touched, skipped_non_finite=skipped)
+        out.grads[d] = g * inv_scale if inv_scale is not None else g
+        members = [(k, s) for k, s in enumerate(batch.slots) if s.spec.dim == d]
+        if not any(k in unused or s.raw_dropped for k, s in members):
+            out.touched[d] = None
+            continue
+        mask = np.zeros(expect[0], dtype=bool)
+        for k, s in members:
+            if k not in unused:
+                mask[s.table_inverse if s.raw_rows is None else s.raw_rows] = True
+        out.touched[d] = mask
+    return out
 
 
-def _scatter_add_rows(out: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
-    """``out[rows[k]] += values[k]`` for every k, repeated rows accumulating (in float64, then
-    rounded once). One ``np.bincount`` per column: for a batch of 256 x 26 IDs of dim 16 this is
-    about 4x faster than ``np.add.at`` on the rows."""
-    if rows.size == 0:
-        return
-    n = out.shape[0]
-    for j in range(out.shape[1]):
-        out[:, j] += np.bincount(rows, weights=values[:, j], minlength=n).astype(np.float32)
+def split_gradients(tables: dict[int, np.ndarray], positions: list[dict[int, np.ndarray]],
+                    checked: DimGradients) -> list[list[dict]]:
+    """Per PS replica, its ``{"dim", "signs", "grads"}`` update tables (rows without an update left
+    out); a dim wholly on one replica with every row updated is sent as it is (no copy)."""
+    out: list[list[dict]] = []
+    for part in positions:
+        reqs = []
+        for d, p in part.items():
+            g = checked.grads.get(d)
+            if g is None:
+                continue
+            mask = checked.touched[d]
+            if mask is None and p.size == tables[d].size:
+                reqs.append({"dim": d, "signs": tables[d], "grads": g})
+                continue
+            sel = p if mask is None else p[mask[p]]
+            if sel.size:
+                reqs.append({"dim": d, "signs": tables[d][sel], "grads": g[sel]})
+        out.append(reqs)
+    return out

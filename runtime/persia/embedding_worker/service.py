@@ -175,12 +175,9 @@ class EmbeddingWorker:
             if positions[s] else None
             for s in range(len(self.ps))
         ]
-        rows = {d: np.empty((s.size, d), dtype=np.float32) for d, s in prepared.tables.items()}
-        for s, resp in enumerate(self._call_ps("Lookup", requests)):
-            if resp is not None:
-                for (d, p), r in zip(positions[s].items(), resp["rows"]):
-                    rows[d][p] = r
-        return pipeline.pool(prepared, rows), positions
+        replies = [None if resp is None else resp["rows"] for resp in self._call_ps("Lookup", requests)]
+        rows = pipeline.assemble_rows(prepared.tables, positions, replies)
+        return pipeline.lookup_reply(prepared, rows), positions
 
     def lookup(self, req: dict) -> dict:
         t0 = time.perf_counter()
@@ -190,44 +187,38 @@ class EmbeddingWorker:
                                     checked=True)  # validated by on_forward when it arrived
         # an eval/infer NN context asks train=False: no rows created, no gradients awaited
         train = bool(batch.get("requires_grad", True)) and bool(req.get("train", True))
-        pooled, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"))
+        reply, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"))
         if train:
             self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)
             self.metrics.inc("staleness")
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
         self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in batch["features"]))
         self.metrics.observe("lookup_total_time_cost_sec", time.perf_counter() - t0)
-        return {"slots": pooled}
+        return reply
 
     def lookup_direct(self, req: dict) -> dict:
         """Look up raw ID features sent by the NN worker itself (eval / inference): never creates rows."""
         t0 = time.perf_counter()
         prepared = pipeline.prepare(req["features"], int(req["batch_size"]), self.slots, self.prefix_bit)
-        pooled, _ = self._lookup_prepared(prepared, train=False)
+        reply, _ = self._lookup_prepared(prepared, train=False)
         self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in req["features"]))
         self.metrics.observe("lookup_direct_time_cost_sec", time.perf_counter() - t0)
-        return {"slots": pooled}
+        return reply
 
     def update(self, req: dict) -> dict:
         t0 = time.perf_counter()
         ref = int(req["ref"])
         looked: _Looked = self.post_buffer.take(ref)
         self.metrics.dec("staleness")
-        reduced = pipeline.reduce_gradients(looked.prepared, req["grads"], float(req.get("scale", 1.0)))
-        for name in reduced.skipped_non_finite:
+        checked = pipeline.check_gradients(looked.prepared, req["grads"], float(req.get("scale", 1.0)),
+                                           req.get("unused_slots", []))
+        for name in checked.skipped_non_finite:
             self.metrics.inc("nan_grad_skipped", feat=name)
-        requests = []
-        for s in range(len(self.ps)):
-            tables = []
-            for d, p in looked.positions[s].items():
-                mask = reduced.touched[d][p]
-                if mask.any():
-                    sel = p[mask]
-                    tables.append({"dim": d, "signs": looked.prepared.tables[d][sel], "grads": reduced.grads[d][sel]})
-            requests.append({"tables": tables} if tables else None)
+        parts = pipeline.split_gradients(looked.prepared.tables, looked.positions, checked)
+        requests = [{"tables": tables} if tables else None for tables in parts]
         missing = sum(int(r["missing"]) for r in self._call_ps("Update", requests) if r is not None)
         self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
-        return {"missing": missing, "skipped": reduced.skipped_non_finite}
+        return {"missing": missing, "skipped": checked.skipped_non_finite}
 
     def release(self, req: dict) -> dict:
         """Forget batches a trainer will not train on (e.g. uneven tail across DDP ranks)."""

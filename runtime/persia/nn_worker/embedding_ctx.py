@@ -20,6 +20,7 @@ from persia.data_loader.wire import id_features_to_wire
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
 from persia.embedding_worker.service import discover
 from persia.errors import PersiaError
+from persia.nn_worker import embedding_tensors
 from persia.nn_worker.checkpoint import EmbeddingCheckpoints
 from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
 from persia.nn_worker.training_batch import PersiaTrainingBatch
@@ -157,6 +158,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             labels=[f["data"] for f in msg["labels"]],
             label_names=[f["name"] for f in msg["labels"]],
             embeddings=resp["slots"],
+            emb_tables=resp["tables"],
             meta=msg.get("meta"),
             batch_id=int(msg["batch_id"]),
             ref=int(msg["ref"]),
@@ -183,6 +185,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             labels=[np.asarray(f.data) for f in (batch.labels or [])],
             label_names=[f.name for f in (batch.labels or [])],
             embeddings=resp["slots"],
+            emb_tables=resp["tables"],
             meta=batch.meta,
             batch_id=batch.batch_id,
         )
@@ -223,20 +226,9 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         non_id = [self._tensor(x) for x in batch.non_id_type_features]
         labels = [self._tensor(x) for x in batch.labels] if batch.labels else None
         requires_grad = batch.requires_grad and self.is_training
-        leaves, emb = [], []
-        for slot in batch.embeddings:
-            if "emb" in slot:
-                leaf = self._tensor(slot["emb"]).requires_grad_(requires_grad)
-                leaves.append(leaf)
-                emb.append(leaf)
-            else:
-                leaf = self._tensor(slot["distinct"]).requires_grad_(requires_grad)
-                index = torch.from_numpy(np.array(slot["index"], dtype=np.int64)).to(self.device)
-                gathered = leaf[index]
-                mask = (index != 0).to(gathered.dtype).unsqueeze(-1)
-                leaves.append(leaf)
-                emb.append(torch.cat([gathered, mask], dim=-1))
-        batch.emb_leaves = leaves
+        built = embedding_tensors.build(batch.emb_tables, batch.embeddings, self.device, requires_grad)
+        batch.emb_leaves, batch.slot_used = built.leaves, built.used
+        emb = built.emb
         if requires_grad:
             self._current_batch = batch
         return non_id, emb, labels

@@ -195,7 +195,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # dense gradients then tell every rank alike whether to step.
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
-        grads = []
+        grads = []  # one per dim: a row per distinct ID (autograd summed its occurrences)
         non_finite = False
         for leaf in batch.emb_leaves:
             if leaf.grad is None:
@@ -276,7 +276,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
         def send():
             try:
-                client.call("Update", {"ref": batch.ref, "grads": grads, "scale": scale})
+                client.call("Update", {"ref": batch.ref, "grads": grads, "scale": scale,
+                                       "unused_slots": batch.unused_slots()})
             finally:
                 if batch.holds_permit and self._permits is not None:
                     self._permits.release()

@@ -16,7 +16,9 @@ class PersiaTrainingBatch:
     non_id_type_feature_names: list[str]
     labels: list[np.ndarray]
     label_names: list[str]
-    embeddings: list[dict]  # per slot: {"name", "emb"} or {"name", "distinct", "index"}
+    # the embedding worker's lookup reply: per slot, indices into its dim's distinct rows
+    # (persia.embedding_worker.pipeline.slot_layout), and per dim those rows ({"dim", "rows"})
+    embeddings: list[dict]
     meta: bytes | None = None
     batch_id: int | None = None
     ref: int | None = None
@@ -24,8 +26,16 @@ class PersiaTrainingBatch:
     loader: int | None = None  # the data loader that sent it (checkpoint positions)
     requires_grad: bool = False
     holds_permit: bool = False  # a staleness permit is released when its gradients are applied
-    # filled by ctx.prepare_features: the leaf tensors whose .grad goes back to the PS
+    emb_tables: list[dict] = field(default_factory=list)
+    # filled by ctx.prepare_features: one leaf per dim (its .grad, one row per distinct ID, goes
+    # back to the PS) and, per slot, whether backward reached its tensor (a slot the model did not
+    # use gets no update, as in PERSIA)
     emb_leaves: list[Any] = field(default_factory=list)
+    slot_used: list[bool] = field(default_factory=list)
+
+    def unused_slots(self) -> list[int]:
+        """Positions of the slots whose tensor got no gradient (after backward)."""
+        return [i for i, used in enumerate(self.slot_used) if not used]
 
     def consume_all_meta_data(self) -> bytes | None:
         return self.meta
