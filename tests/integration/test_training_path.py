@@ -182,8 +182,8 @@ def test_loading_an_unfinished_checkpoint_is_refused(persia_env, tmp_path):
                 ctx.load_checkpoint(str(tmp_path / "partial"))
 
 
-@pytest.mark.parametrize("staleness", [1, 3])
-def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, staleness):
+@pytest.mark.parametrize("staleness, warmup", [(1, 0), (3, 0), (3, 5)])
+def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, staleness, warmup):
     with cluster(num_ps=1, num_workers=2) as servers:
         workers = servers[1:]
         model = Model()
@@ -192,7 +192,8 @@ def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, stalenes
         seen = []
         with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
                       dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
-            for batch in DataLoader(StreamingDataset(8), embedding_staleness=staleness, forward_buffer_size=8):
+            for batch in DataLoader(StreamingDataset(8), embedding_staleness=staleness, forward_buffer_size=8,
+                                    staleness_warmup_steps=warmup):
                 # every batch looked up and not yet updated sits in a worker's post-forward buffer
                 seen.append(sum(len(w.post_buffer) for w in workers))
                 out, labels = ctx.forward(batch)
@@ -203,6 +204,8 @@ def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, stalenes
     assert max(seen) <= staleness
     if staleness == 1:
         assert seen == [1] * 15  # update-before-next-lookup: exactly one batch in flight
+    if warmup:
+        assert seen[:warmup] == [1] * warmup  # the ramp: synchronous for the first steps
 
 
 def test_synchronous_reference_mode_is_deterministic(persia_env):

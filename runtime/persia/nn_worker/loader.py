@@ -25,6 +25,7 @@ from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
 from persia.nn_worker.reorder import _reordered
+from persia.nn_worker.staleness import staleness_bound, warmup_steps_setting
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,9 @@ class DataLoader:
 
     ``embedding_staleness=k`` bounds the batches whose embeddings were read but whose gradients are
     not yet applied on the PS; ``k=1`` gives the synchronous reference (update before next lookup).
-    ``None`` leaves it bounded only by the buffers.
+    ``None`` leaves it bounded only by the buffers once warmed up. Either way the bound ramps up
+    from 1 over the first steps (``staleness_warmup_steps``, default 100 or
+    ``PERSIA_STALENESS_WARMUP_STEPS``; 0 turns the ramp off): see ``persia.nn_worker.staleness``.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class DataLoader:
         num_workers: int = 10,
         reproducible: bool = False,
         embedding_staleness: int | None = None,
+        staleness_warmup_steps: int | None = None,
     ):
         if forward_buffer_size < 1:
             raise ValueError(f"forward_buffer_size must be >= 1, got {forward_buffer_size}")
@@ -63,6 +67,7 @@ class DataLoader:
         self.num_workers = num_workers
         self.reproducible = reproducible
         self.embedding_staleness = embedding_staleness
+        self.staleness_warmup_steps = warmup_steps_setting(staleness_warmup_steps)
 
     def __iter__(self) -> Iterator[PersiaTrainingBatch]:
         ctx = cnt_ctx()
@@ -91,9 +96,9 @@ class _LoaderIterator:
         if self.streaming:
             ctx._start_streaming()
         train = bool(getattr(ctx, "is_training", False))
-        self._permits = (
-            threading.BoundedSemaphore(loader.embedding_staleness)
-            if (loader.embedding_staleness is not None and train and self.streaming)
+        self._permits = (  # the ramp counts the context's trained steps (a new epoch does not restart it)
+            staleness_bound(loader.embedding_staleness, loader.staleness_warmup_steps, self._steps())
+            if (train and self.streaming)
             else None
         )
         ctx._attach_permits(self._permits)
@@ -102,6 +107,9 @@ class _LoaderIterator:
         self._last_next: float | None = None
         self._thread = threading.Thread(target=self._dispatch, name="persia-dispatch", daemon=True)
         self._thread.start()
+
+    def _steps(self) -> int:
+        return int(getattr(self.ctx, "trained_batches", 0) or 0)
 
     # producer
     def _source(self) -> Iterator[Any]:
@@ -182,6 +190,8 @@ class _LoaderIterator:
         now = time.perf_counter()
         if self._lookahead is not None and self._last_next is not None:
             self._lookahead.record_step(now - self._last_next)  # the training step just done
+        if self._permits is not None:
+            self._permits.set_step(self._steps())
         item = self._next_item()
         self._last_next = time.perf_counter()
         if self._lookahead is not None and item is not _END:

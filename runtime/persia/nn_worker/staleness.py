@@ -1,0 +1,113 @@
+"""The embedding-staleness bound of a training stream: synchronous at first, then growing.
+
+Why a ramp: the PS applies Adagrad, whose first updates of a row are its largest (the first is
+``lr·g/√(ε+g²)``, up to ~10x later ones), and the frequent rows are updated in nearly every early
+batch. A lookup that misses the last k updates of a row is off by about k steps of size
+``lr/√n`` at the n-th update, so a stale read costs most at the start of training, and a short run
+is mostly start (docs/benchmarks.md, "Short and long runs"). The bound therefore starts at 1 (the
+synchronous reference: each update applied before the next lookup) and grows like √step, which
+keeps ``k/√n`` about constant: ``bound(step) = max(1, ⌊2·√(step / W)⌋)``, capped by the user's
+``embedding_staleness``. With the default ``W = 100``: 1 for steps 0-99, 2 from 100, 3 from 225,
+4 from 400, 6 from 900, 10 from 2,500.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+
+ENV_WARMUP = "PERSIA_STALENESS_WARMUP_STEPS"
+DEFAULT_WARMUP_STEPS = 100
+
+
+def ramped_bound(step: int, target: int | None, warmup_steps: int) -> int | None:
+    """The staleness bound after ``step`` trained steps; ``None`` means unbounded.
+
+    ``warmup_steps`` (W) is how many steps run synchronously; 0 turns the ramp off (the full
+    ``target`` from the first step). ``target=None`` (no user bound) grows without limit.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if target is not None and target < 1:
+        raise ValueError(f"embedding_staleness must be >= 1 or None, got {target}")
+    if warmup_steps < 0:
+        raise ValueError(f"staleness warm-up steps must be >= 0, got {warmup_steps}")
+    if warmup_steps == 0:
+        return target
+    ramp = max(1, math.isqrt(4 * step // warmup_steps))  # ⌊2·√(step/W)⌋ in integers
+    return ramp if target is None else min(target, ramp)
+
+
+def warmup_steps_setting(value: int | None, environ: dict[str, str] | None = None) -> int:
+    """The warm-up length: the DataLoader argument if given, else ``PERSIA_STALENESS_WARMUP_STEPS``,
+    else ``DEFAULT_WARMUP_STEPS``; an error names the bad value and where it came from."""
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"staleness_warmup_steps must be an integer >= 0, got {value!r}")
+        return value
+    raw = (os.environ if environ is None else environ).get(ENV_WARMUP, "").strip()
+    if raw == "":
+        return DEFAULT_WARMUP_STEPS
+    try:
+        steps = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {ENV_WARMUP} must be an integer >= 0, got {raw!r}") from None
+    if steps < 0:
+        raise ValueError(f"environment variable {ENV_WARMUP} must be an integer >= 0, got {raw!r}")
+    return steps
+
+
+class RampedStalenessBound:
+    """Staleness permits whose number grows with the trained steps (see ``ramped_bound``).
+
+    Same interface as the ``threading.BoundedSemaphore`` it replaces (``acquire(timeout=) -> bool``,
+    ``release()``, ValueError on releasing more than was acquired); ``set_step`` tells it how many
+    steps the training loop has done, which can only raise the bound (waiters wake up then).
+    """
+
+    def __init__(self, target: int | None, warmup_steps: int = DEFAULT_WARMUP_STEPS, step: int = 0):
+        ramped_bound(step, target, warmup_steps)  # validates the three
+        self.target = target
+        self.warmup_steps = warmup_steps
+        self.step = step
+        self.held = 0
+        self._cond = threading.Condition()
+
+    @property
+    def limit(self) -> int | None:
+        return ramped_bound(self.step, self.target, self.warmup_steps)
+
+    def set_step(self, step: int) -> None:
+        with self._cond:
+            if step > self.step:
+                self.step = step
+                self._cond.notify_all()
+
+    def _free(self) -> bool:
+        limit = self.limit
+        return limit is None or self.held < limit
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        with self._cond:
+            if not blocking:
+                timeout = 0.0
+            if not self._cond.wait_for(self._free, timeout):
+                return False
+            self.held += 1
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            if self.held <= 0:
+                raise ValueError("staleness permit released more times than acquired")
+            self.held -= 1
+            self._cond.notify_all()
+
+
+def staleness_bound(target: int | None, warmup_steps: int, step: int = 0) -> RampedStalenessBound | None:
+    """The permits of one training stream; ``None`` when nothing would ever bound it (no user
+    bound and no warm-up): then only the buffers limit how far lookups run ahead."""
+    if target is None and warmup_steps == 0:
+        return None
+    return RampedStalenessBound(target, warmup_steps, step)
