@@ -140,6 +140,20 @@ def test_headline_uses_the_configuration_it_is_given():
     assert headline(summarize(runs), None)["hybrid_sps_mlp400"] == 90.0  # the default: staleness 10
 
 
+def test_auc_gap_targets_measure_the_default_setting_not_the_headline_bound():
+    runs = []
+    for mlp in ("mlp400", "mlp400_30steps"):
+        runs += [_run(mlp, "persia-hybrid st=2 ps=1 ew=1", 0, 70.0, 0.7990),
+                 _run(mlp, "persia-hybrid st=10 ps=1 ew=1", 0, 90.0, 0.7996),
+                 _run(mlp, SYNC, 0, 40.0, 0.8000)]  # fmt: skip
+    h = headline(summarize(runs), None, hybrid=hybrid_label(2), default=hybrid_label(10))
+    assert h["hybrid_sps_mlp400"] == 70.0  # speed: the headline bound
+    assert abs(h["auc_gap_hybrid_sync"] + 0.0004) < 1e-12 and abs(h["auc_gap_30steps"] + 0.0004) < 1e-12
+    assert h["default_configuration"] == "persia-hybrid st=10 ps=1 ew=1"
+    assert h["targets"]["abs_auc_gap_30steps"]["passed"]
+    assert abs(headline(summarize(runs), None, hybrid=hybrid_label(2))["auc_gap_hybrid_sync"] + 0.001) < 1e-12
+
+
 def _run(mlp, label, seed, sps=None, auc=None, status="ok", reason=None, curve=(), memory=None):
     system = label.split(" ")[0]
     return {
