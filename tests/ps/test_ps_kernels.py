@@ -218,8 +218,9 @@ def _table():
 def _locate_args(table, signs):
     n = len(signs)
     return dict(index=table.index, rows=table.rows, signs=signs, num_shards=table.num_shards,
-                slots_per_region=table.M, key_col=table.key_col, dim=table.dim, salt=INTERNAL_SHARD_SALT,
-                hit=np.empty(n, bool), out=np.empty((n, table.dim), np.float32), stamps=table.stamps, clock=3)
+                slots_per_region=table.M, key_col=table.key_col, stamp_col=table.stamp_col, dim=table.dim,
+                salt=INTERNAL_SHARD_SALT, hit=np.empty(n, bool), out=np.empty((n, table.dim), np.float32), stamp=True,
+                clock=3)
 
 
 @pytest.mark.parametrize(
@@ -230,7 +231,9 @@ def _locate_args(table, signs):
         ("hit", np.empty(3, bool), r"hit has 3 elements, expected 49"),
         ("out", np.empty((49, 5), np.float32), r"out has 5 columns, expected 4"),
         ("out", np.empty((49, 4), np.float64), r"out must be a 2-D array of 4-byte float"),
-        ("stamps", np.zeros(7, np.uint32), r"stamps has 7 elements"),
+        ("stamp_col", 2, r"stamp_col 2 must be a cell of the row \(width 7\) past the 4 weights"),
+        ("stamp_col", 5, r"stamp_col 5 must be a cell of the row .* off the sign at key_col 5"),
+        ("stamp_col", 7, r"stamp_col 7 must be a cell of the row \(width 7\)"),
         ("index", np.zeros(5, np.uint32), r"index has 5 slots, expected num_shards \* slots_per_region"),
         ("key_col", 1, r"cannot hold dim 4 and a sign at column key_col 1"),
         ("clock", 2**33, r"clock 8589934592 does not fit a uint32"),
@@ -260,14 +263,15 @@ def test_read_only_output_is_refused():
         ("grads", np.zeros((5, 4), np.float32), r"grads has 5 rows, expected 49"),
         ("gbuf", np.zeros(4, np.float32), r"gbuf has 4 elements, expected 8"),
         ("scratch", np.zeros(100, np.uint32), r"scratch must hold a power of two >= 2 \* 49 elements, got 100"),
+        ("stamp_col", 0, r"stamp_col 0 must be a cell of the row"),
     ],
 )
 def test_update_refuses_bad_arguments_naming_them(field, bad, match):
     store, table, signs = _table()
     before = table.rows.copy()
     args = dict(kernels.update_args(store.optimizer, 0.0), index=table.index, rows=table.rows, state=table.state,
-                stamps=table.stamps, signs=signs, grads=np.ones((len(signs), 4), np.float32),
-                num_shards=table.num_shards, slots_per_region=table.M, key_col=table.key_col, dim=4,
+                signs=signs, grads=np.ones((len(signs), 4), np.float32), num_shards=table.num_shards,
+                slots_per_region=table.M, key_col=table.key_col, stamp_col=table.stamp_col, dim=4,
                 hit=np.empty(len(signs), bool), gbuf=np.empty(8, np.float32), scratch=kernels.scratch_for(len(signs)))
     args[field] = bad
     with pytest.raises(ValueError, match=match):
@@ -304,3 +308,26 @@ def test_asking_for_a_kernel_that_is_not_built_is_an_error(monkeypatch):
     assert EmbeddingStore(10).use_kernel is False  # the default falls back to numpy
     with pytest.raises(RuntimeError, match=r"use_kernel=True but persia.embedding_ps._kernels is not built"):
         EmbeddingStore(10, use_kernel=True)
+
+
+def test_a_training_lookup_stamps_the_row_itself_on_both_paths():
+    """The recency stamp is a uint32 cell of the row (after the weights, before the sign), so a
+    training lookup stamps the row in the cache lines it reads; both paths leave the very same
+    bytes (weights, stamps, signs) and an inference lookup stamps nothing."""
+    kernel, numpy_ = _pair(10_000, 3, AdagradConfig())
+    signs = np.arange(1, 301, dtype=np.uint64)
+    for s in (kernel, numpy_):
+        s.lookup(signs, 16, True)  # creates, clock 1
+        s.lookup(signs[::3], 16, True)  # clock 2
+        s.lookup(signs[1::3], 16, False)  # inference: no stamp
+    t_k, t_n = kernel._tables[16], numpy_._tables[16]
+    assert (t_k.stamp_col, t_k.key_col, t_k.width) == (16, 17, 19)  # 76 bytes a row
+    np.testing.assert_array_equal(t_k.rows.view(np.uint32), t_n.rows.view(np.uint32))
+    rows, hit, _, _ = t_k.locate(signs)
+    assert hit.all()
+    stamps = t_k.rows[rows, 16].view(np.uint32)
+    assert np.array_equal(stamps, t_k.stamps[rows])
+    expected = np.ones(len(signs), np.uint32)
+    expected[::3] = 2
+    np.testing.assert_array_equal(stamps, expected)
+    np.testing.assert_array_equal(t_k.signs_of_rows[rows], signs)

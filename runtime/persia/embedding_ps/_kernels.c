@@ -51,12 +51,10 @@
 #define PREFETCH_R(p) __builtin_prefetch((const void *)(p), 0, 3)
 #define PREFETCH_W(p) __builtin_prefetch((const void *)(p), 1, 3)
 #define STORE_RELAXED(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
-#define LOAD_RELAXED(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #else
 #define PREFETCH_R(p) ((void)0)
 #define PREFETCH_W(p) ((void)0)
 #define STORE_RELAXED(p, v) (*(p) = (v))
-#define LOAD_RELAXED(p) (*(p))
 #endif
 
 /* Optimizer codes: the checkpoint-header codes of optimizers.py (OPTIMIZER_CODES). */
@@ -205,9 +203,17 @@ typedef struct {
     uint64_t nrows;
     Py_ssize_t width;   /* floats per row */
     Py_ssize_t key_col; /* the sign's first float cell */
+    Py_ssize_t stamp_col; /* the row's uint32 recency stamp cell */
     Py_ssize_t dim;
     uint64_t salt;
 } table_view;
+
+/* The recency stamp of row r, a uint32 cell inside the row: a training lookup writes it into a
+ * cache line it has just read for the weights, instead of missing on a separate stamp array. */
+static inline uint32_t *stamp_of(const table_view *t, uint32_t r)
+{
+    return (uint32_t *)(t->rows + (size_t)r * (size_t)t->width + t->stamp_col);
+}
 
 static inline uint64_t stored_sign(const table_view *t, uint32_t r)
 {
@@ -247,24 +253,29 @@ static inline int probe(const table_view *t, uint64_t sign, uint64_t home, uint3
     return -1;
 }
 
-/* Prefetch the first and last cache line of `bytes` (> 0) bytes at p: all of a row of up to 128
- * bytes (a 72-byte row always straddles two lines, a 64-byte one unless its array is 64-byte
- * aligned); wider rows get their two ends and the hardware streams the middle. */
+/* Prefetch the cache lines of `bytes` (> 0) bytes at p: its first line, the next one and its last
+ * one, i.e. all of a row of up to 128 bytes (a 76-byte dim-16 row spans two lines, or three when
+ * it starts in the last 12 bytes of one); wider rows get these and the hardware streams the rest. */
 static inline void prefetch_span_r(const void *p, size_t bytes)
 {
     PREFETCH_R(p);
+    if (bytes > 64)
+        PREFETCH_R((const char *)p + 64);
     PREFETCH_R((const char *)p + bytes - 1);
 }
 
 static inline void prefetch_span_w(const void *p, size_t bytes)
 {
     PREFETCH_W(p);
+    if (bytes > 64)
+        PREFETCH_W((const char *)p + 64);
     PREFETCH_W((const char *)p + bytes - 1);
 }
 
 /* Check and fill a table_view from (index, rows, num_shards, slots_per_region, key_col, dim). */
 static int table_args(buf_set *s, table_view *t, PyObject *index, PyObject *rows, Py_ssize_t num_shards,
-                      Py_ssize_t slots, Py_ssize_t key_col, Py_ssize_t dim, unsigned long long salt, int writable)
+                      Py_ssize_t slots, Py_ssize_t key_col, Py_ssize_t stamp_col, Py_ssize_t dim,
+                      unsigned long long salt, int writable)
 {
     if (num_shards < 1 || slots < 1) {
         PyErr_Format(PyExc_ValueError, "num_shards (%zd) and slots_per_region (%zd) must be positive", num_shards,
@@ -291,6 +302,14 @@ static int table_args(buf_set *s, table_view *t, PyObject *index, PyObject *rows
                      t->width, dim, key_col);
         return -1;
     }
+    /* the stamp cell: inside the row, clear of the weights and of the sign */
+    if (stamp_col < 0 || stamp_col >= t->width || stamp_col < dim ||
+        (stamp_col >= key_col && stamp_col < key_col + 2)) {
+        PyErr_Format(PyExc_ValueError,
+                     "stamp_col %zd must be a cell of the row (width %zd) past the %zd weights and off the sign at "
+                     "key_col %zd", stamp_col, t->width, dim, key_col);
+        return -1;
+    }
     if (t->nrows > (uint64_t)UINT32_MAX + 1) {
         PyErr_Format(PyExc_ValueError, "rows has %zd rows, more than uint32 row numbers address",
                      dim_of(s, rb, 0));
@@ -299,6 +318,7 @@ static int table_args(buf_set *s, table_view *t, PyObject *index, PyObject *rows
     t->total_slots = (uint64_t)num_shards * (uint64_t)slots;
     t->slots = (uint64_t)slots;
     t->key_col = key_col;
+    t->stamp_col = stamp_col;
     t->dim = dim;
     t->salt = (uint64_t)salt;
     return 0;
@@ -316,7 +336,7 @@ typedef struct {
     int64_t *rows_out;  /* or NULL */
     int64_t *slots_out; /* or NULL */
     int64_t *home_out;  /* or NULL */
-    uint32_t *stamps;   /* stamp found rows with clock, or NULL */
+    int stamp;          /* stamp found rows with clock (a training lookup) */
     uint32_t clock;
 } locate_job;
 
@@ -335,16 +355,13 @@ static int locate_loop(const table_view *t, const locate_job *j, Py_ssize_t *mis
         home[(i) & (RING - 1)] = h_;                                                     \
         PREFETCH_R(t->index + h_);                                                       \
     } while (0)
-    /* stage 2: read the slot, prefetch the row it names (and its stamp) */
+    /* stage 2: read the slot, prefetch the row it names (its stamp is in it) */
 #define LOCATE_STAGE2(i)                                                                 \
     do {                                                                                 \
         const uint32_t r_ = t->index[home[(i) & (RING - 1)]];                            \
         first[(i) & (RING - 1)] = r_;                                                    \
-        if (r_ >= FIRST_ROW && r_ < t->nrows) {                                          \
+        if (r_ >= FIRST_ROW && r_ < t->nrows)                                            \
             prefetch_span_r(t->rows + (size_t)r_ * (size_t)t->width, row_bytes);         \
-            if (j->stamps)                                                               \
-                PREFETCH_R(j->stamps + r_);                                              \
-        }                                                                                \
     } while (0)
     for (Py_ssize_t i = 0; i < n && i < DIST1; i++)
         LOCATE_STAGE1(i);
@@ -364,12 +381,17 @@ static int locate_loop(const table_view *t, const locate_job *j, Py_ssize_t *mis
             return ERR_CORRUPT_INDEX;
         j->hit[i] = (uint8_t)found;
         if (found) {
-            if (j->out)
-                memcpy(j->out + (size_t)i * (size_t)t->dim, t->rows + (size_t)r * (size_t)t->width, out_bytes);
-            /* A row read again in this batch already carries the clock: leaving its line
-             * clean saves the write-back (a Zipf batch repeats its hot rows many times). */
-            if (j->stamps && LOAD_RELAXED(j->stamps + r) != j->clock)
-                STORE_RELAXED(j->stamps + r, j->clock);
+            if (j->out) {
+                const float *src = t->rows + (size_t)r * (size_t)t->width;
+                if (out_bytes == 64) /* dim 16: a fixed-size copy the compiler inlines, no libc call */
+                    memcpy(j->out + (size_t)i * 16u, src, 64);
+                else
+                    memcpy(j->out + (size_t)i * (size_t)t->dim, src, out_bytes);
+            }
+            /* The stamp shares the row's lines, just read: an unconditional store (a test of
+             * whether it already holds the clock was an unpredictable branch and cost more). */
+            if (j->stamp)
+                STORE_RELAXED(stamp_of(t, r), j->clock);
         } else {
             misses++;
             r = first[i & (RING - 1)]; /* as DimTable.locate: a miss keeps its home slot's value */
@@ -400,29 +422,31 @@ static PyObject *raise_loop_error(int err)
 }
 
 PyDoc_STRVAR(locate_doc,
-"locate(index, rows, signs, num_shards, slots_per_region, key_col, dim, salt, hit, out=None,\n"
-"       rows_out=None, slots_out=None, home_out=None, stamps=None, clock=0) -> misses\n\n"
+"locate(index, rows, signs, num_shards, slots_per_region, key_col, stamp_col, dim, salt, hit,\n"
+"       out=None, rows_out=None, slots_out=None, home_out=None, stamp=False, clock=0) -> misses\n\n"
 "Find each sign's row: hit[i] tells whether it has one; out[i] (float32 (n, dim)) gets its\n"
 "weights or zeros; rows_out / slots_out / home_out (int64) get what DimTable.locate returns;\n"
-"with stamps, found rows are stamped with clock. Returns the number of misses.");
+"with stamp, found rows get clock in their uint32 cell stamp_col. Returns the number of misses.");
 
 static PyObject *k_locate(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"index", "rows", "signs", "num_shards", "slots_per_region", "key_col", "dim", "salt",
-                             "hit", "out", "rows_out", "slots_out", "home_out", "stamps", "clock", NULL};
+    static char *kwlist[] = {"index", "rows", "signs", "num_shards", "slots_per_region", "key_col", "stamp_col",
+                             "dim", "salt", "hit", "out", "rows_out", "slots_out", "home_out", "stamp", "clock", NULL};
     PyObject *index, *rows, *signs, *hit, *out = Py_None, *rows_out = Py_None, *slots_out = Py_None,
-             *home_out = Py_None, *stamps = Py_None;
-    Py_ssize_t num_shards, slots, key_col, dim;
+             *home_out = Py_None;
+    Py_ssize_t num_shards, slots, key_col, stamp_col, dim;
     unsigned long long salt, clock = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOnnnnKO|OOOOOK", kwlist, &index, &rows, &signs, &num_shards,
-                                     &slots, &key_col, &dim, &salt, &hit, &out, &rows_out, &slots_out, &home_out,
-                                     &stamps, &clock))
+    int stamp = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOnnnnnKO|OOOOpK", kwlist, &index, &rows, &signs, &num_shards,
+                                     &slots, &key_col, &stamp_col, &dim, &salt, &hit, &out, &rows_out, &slots_out,
+                                     &home_out, &stamp, &clock))
         return NULL;
     buf_set s = {0};
     table_view t;
     locate_job j;
     memset(&j, 0, sizeof j);
-    if (table_args(&s, &t, index, rows, num_shards, slots, key_col, dim, salt, 0) < 0)
+    /* rows writable only when stamping */
+    if (table_args(&s, &t, index, rows, num_shards, slots, key_col, stamp_col, dim, salt, stamp) < 0)
         goto fail;
     int sb = s.n;
     j.signs = take(&s, signs, "signs", K_UINT, 8, 1, 0, 0);
@@ -451,12 +475,7 @@ static PyObject *k_locate(PyObject *self, PyObject *args, PyObject *kwargs)
         if (*outs[q] && expect_len(dim_of(&s, b, 0), j.n, names[q], "elements") < 0)
             goto fail;
     }
-    int tb = s.n;
-    j.stamps = take(&s, stamps, "stamps", K_UINT, 4, 1, 1, 1);
-    if (PyErr_Occurred())
-        goto fail;
-    if (j.stamps && expect_len(dim_of(&s, tb, 0), (Py_ssize_t)t.nrows, "stamps", "elements") < 0)
-        goto fail;
+    j.stamp = stamp;
     if (clock > UINT32_MAX) {
         PyErr_Format(PyExc_ValueError, "clock %llu does not fit a uint32 stamp", clock);
         goto fail;
@@ -645,7 +664,6 @@ typedef struct {
     const float *grads; /* (n, dim) */
     float *state;
     Py_ssize_t state_width;
-    uint32_t *stamps;
     uint8_t *hit; /* (n,) */
     float *gbuf;  /* 2*dim floats of scratch */
     uint32_t *scratch;
@@ -747,7 +765,7 @@ static int update_loop(const table_view *t, const optimizer *o, const update_job
             /* DimTable.promote: swap with the home slot's occupant when that one is less recently
              * used (a swap inside one probe chain keeps every sign reachable) */
             const uint32_t occ = t->index[hm];
-            if (occ != SLOT_EMPTY && occ < t->nrows && j->stamps[occ] < j->stamps[r]) {
+            if (occ != SLOT_EMPTY && occ < t->nrows && *stamp_of(t, occ) < *stamp_of(t, r)) {
                 t->index[hm] = r;
                 t->index[slot] = occ;
                 moved++;
@@ -771,7 +789,7 @@ static Py_ssize_t expected_state_width(const optimizer *o, Py_ssize_t dim)
 }
 
 PyDoc_STRVAR(update_doc,
-"update(index, rows, state, stamps, signs, grads, num_shards, slots_per_region, key_col, dim, salt,\n"
+"update(index, rows, state, signs, grads, num_shards, slots_per_region, key_col, stamp_col, dim, salt,\n"
 "       code, lr, weight_decay, eps, momentum, g_square_momentum, beta1, beta2, vectorwise,\n"
 "       weight_bound, hit, gbuf, scratch=None) -> (may_repeat, missing, promoted)\n\n"
 "Apply one optimizer step (code 1 SGD, 2 Adagrad, 3 Adam) to the rows of signs with gradients\n"
@@ -782,17 +800,17 @@ PyDoc_STRVAR(update_doc,
 
 static PyObject *k_update(PyObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *kwlist[] = {"index", "rows", "state", "stamps", "signs", "grads", "num_shards",
-                             "slots_per_region", "key_col", "dim", "salt", "code", "lr", "weight_decay", "eps",
+    static char *kwlist[] = {"index", "rows", "state", "signs", "grads", "num_shards",
+                             "slots_per_region", "key_col", "stamp_col", "dim", "salt", "code", "lr", "weight_decay", "eps",
                              "momentum", "g_square_momentum", "beta1", "beta2", "vectorwise", "weight_bound", "hit",
                              "gbuf", "scratch", NULL};
-    PyObject *index, *rows, *state, *stamps, *signs, *grads, *hit, *gbuf, *scratch = Py_None;
-    Py_ssize_t num_shards, slots, key_col, dim;
+    PyObject *index, *rows, *state, *signs, *grads, *hit, *gbuf, *scratch = Py_None;
+    Py_ssize_t num_shards, slots, key_col, stamp_col, dim;
     unsigned long long salt;
     int code, vectorwise;
     double lr, wd, eps, momentum, gsm, beta1, beta2, bound;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOnnnnKidddddddpdOO|O", kwlist, &index, &rows, &state,
-                                     &stamps, &signs, &grads, &num_shards, &slots, &key_col, &dim, &salt,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOnnnnnKidddddddpdOO|O", kwlist, &index, &rows, &state,
+                                     &signs, &grads, &num_shards, &slots, &key_col, &stamp_col, &dim, &salt,
                                      &code, &lr, &wd, &eps, &momentum, &gsm, &beta1, &beta2, &vectorwise, &bound,
                                      &hit, &gbuf, &scratch))
         return NULL;
@@ -826,7 +844,7 @@ static PyObject *k_update(PyObject *self, PyObject *args, PyObject *kwargs)
     table_view t;
     update_job j;
     memset(&j, 0, sizeof j);
-    if (table_args(&s, &t, index, rows, num_shards, slots, key_col, dim, salt, 1) < 0)
+    if (table_args(&s, &t, index, rows, num_shards, slots, key_col, stamp_col, dim, salt, 1) < 0)
         goto fail;
     int stb = s.n;
     j.state = take(&s, state, "state", K_FLOAT, 4, 2, 1, 0);
@@ -835,10 +853,6 @@ static PyObject *k_update(PyObject *self, PyObject *args, PyObject *kwargs)
     j.state_width = dim_of(&s, stb, 1);
     if (expect_len(dim_of(&s, stb, 0), (Py_ssize_t)t.nrows, "state", "rows") < 0 ||
         expect_len(j.state_width, expected_state_width(&o, dim), "state", "columns for this optimizer") < 0)
-        goto fail;
-    int sb = s.n;
-    j.stamps = take(&s, stamps, "stamps", K_UINT, 4, 1, 0, 0);
-    if (PyErr_Occurred() || expect_len(dim_of(&s, sb, 0), (Py_ssize_t)t.nrows, "stamps", "elements") < 0)
         goto fail;
     int gb = s.n;
     j.signs = take(&s, signs, "signs", K_UINT, 8, 1, 0, 0);

@@ -84,8 +84,8 @@ def locate(table, signs: np.ndarray, out: np.ndarray | None = None, *, positions
     if out is not None and (out.dtype != np.float32 or out.shape != (n, table.dim) or not out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous float32 array of shape ({n}, {table.dim}), got {out.dtype} {out.shape}")
     misses = _kernels.locate(
-        table.index, table.rows, q, table.num_shards, table.M, table.key_col, table.dim, ix.INTERNAL_SHARD_SALT, hit,
-        out, rows, slots, home, None if stamp is None else table.stamps, 0 if stamp is None else int(stamp),
+        table.index, table.rows, q, table.num_shards, table.M, table.key_col, table.stamp_col, table.dim,
+        ix.INTERNAL_SHARD_SALT, hit, out, rows, slots, home, stamp is not None, 0 if stamp is None else int(stamp),
     )
     return rows, hit, slots, home, misses
 
@@ -137,8 +137,8 @@ def update(table, signs: np.ndarray, grads: np.ndarray, args: dict, hit: np.ndar
         return UpdateResult(0, 0, 0)
     if scratch is None or scratch.shape[0] < 2 * n:
         scratch = scratch_for(n)
-    common = dict(index=table.index, rows=table.rows, state=table.state, stamps=table.stamps,
-                  num_shards=table.num_shards, slots_per_region=table.M, key_col=table.key_col, dim=table.dim,
+    common = dict(index=table.index, rows=table.rows, state=table.state, num_shards=table.num_shards,
+                  slots_per_region=table.M, key_col=table.key_col, stamp_col=table.stamp_col, dim=table.dim,
                   gbuf=np.empty(2 * table.dim, dtype=np.float32), **args)
     size = 1 << int(2 * n - 1).bit_length()  # the smallest power of two that fits: stays in cache
     repeats, missing, promoted = _kernels.update(signs=signs, grads=grads, hit=hit, scratch=scratch[:size], **common)
