@@ -310,6 +310,16 @@ def test_asking_for_a_kernel_that_is_not_built_is_an_error(monkeypatch):
         EmbeddingStore(10, use_kernel=True)
 
 
+def test_an_extension_built_from_an_older_source_is_refused_with_the_fix():
+    """A checkout updated without rebuilding keeps an old _kernels.so: it must not be called with
+    arguments it does not know, and the error says how to rebuild."""
+    assert kernels.stale_reason(_kernels) is None  # the one built here is current
+    old = type("OldKernels", (), {})()  # an old build has no ABI constant
+    reason = kernels.stale_reason(old)
+    assert "interface 1, this code needs 2" in reason and "make venv" in reason
+    assert kernels.stale_reason(type("K", (), {"ABI": kernels.ABI})()) is None
+
+
 def test_a_training_lookup_stamps_the_row_itself_on_both_paths():
     """The recency stamp is a uint32 cell of the row (after the weights, before the sign), so a
     training lookup stamps the row in the cache lines it reads; both paths leave the very same

@@ -1141,7 +1141,8 @@ PyMODINIT_FUNC PyInit__kernels(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddIntConstant(m, "PREFETCH_DISTANCE", DIST) < 0) {
+    /* the interface kernels.py calls (kernels.ABI): 2 = the stamp is a cell of the row */
+    if (PyModule_AddIntConstant(m, "PREFETCH_DISTANCE", DIST) < 0 || PyModule_AddIntConstant(m, "ABI", 2) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -14,6 +14,7 @@ and bounds-checks every row number it reads from the index, so a wrong call rais
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import NamedTuple
 
@@ -22,12 +23,34 @@ import numpy as np
 from persia.embedding_ps import index as ix
 from persia.embedding_ps.optimizers import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig, optimizer_code
 
+log = logging.getLogger(__name__)
+
 try:
     from persia.embedding_ps import _kernels
 except ImportError:  # a source tree without a build: numpy only
     _kernels = None
 
+ABI = 2  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col)
+
+
+def stale_reason(module) -> str | None:
+    """Why a built extension cannot be used with this code (built from an older ``_kernels.c``,
+    e.g. a checkout updated without reinstalling), or None."""
+    got = getattr(module, "ABI", 1)
+    if got != ABI:
+        return (f"persia.embedding_ps._kernels was built from another _kernels.c (interface {got}, this code needs "
+                f"{ABI}): rebuild it (make venv, or pip install -e .)")
+    return None
+
+
+_STALE = stale_reason(_kernels) if _kernels is not None else None
+if _STALE is not None:  # never call it with arguments it does not know: numpy path, and say why
+    _kernels = None
+    log.warning("%s; the embedding PS uses the pure-numpy path meanwhile", _STALE)
+
 __all__ = [
+    "ABI",
+    "stale_reason",
     "ENV_PURE_NUMPY",
     "available",
     "default_use_kernel",
@@ -60,6 +83,7 @@ def resolve_use_kernel(use_kernel: bool | None) -> bool:
         return default_use_kernel()
     if use_kernel and not available():
         raise RuntimeError(
+            f"use_kernel=True but {_STALE}" if _STALE else
             "use_kernel=True but persia.embedding_ps._kernels is not built (reinstall the package: pip install -e .)"
         )
     return bool(use_kernel)
