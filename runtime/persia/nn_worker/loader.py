@@ -39,7 +39,7 @@ class DataLoader:
     ``embedding_staleness=k`` bounds the batches whose embeddings were read but whose gradients are
     not yet applied on the PS; ``k=1`` gives the synchronous reference (update before next lookup).
     ``None`` leaves it bounded only by the buffers once warmed up. Either way the bound ramps up
-    from 1 over the first steps (``staleness_warmup_steps``, default 100 or
+    from 1 over the first steps (``staleness_warmup_steps``, default 200 or
     ``PERSIA_STALENESS_WARMUP_STEPS``; 0 turns the ramp off): see ``persia.nn_worker.staleness``.
     """
 
