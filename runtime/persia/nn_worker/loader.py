@@ -96,7 +96,7 @@ class _LoaderIterator:
         if self.streaming:
             ctx._start_streaming()
         train = bool(getattr(ctx, "is_training", False))
-        self._permits = (  # the ramp counts the context's trained steps (a new epoch does not restart it)
+        self._permits = (  # the ramp counts the context's steps (a new epoch does not restart it)
             staleness_bound(loader.embedding_staleness, loader.staleness_warmup_steps, self._steps())
             if (train and self.streaming)
             else None
@@ -109,7 +109,8 @@ class _LoaderIterator:
         self._thread.start()
 
     def _steps(self) -> int:
-        return int(getattr(self.ctx, "trained_batches", 0) or 0)
+        """The context's training steps (``TrainCtx.step``: a resumed job goes on with its ramp)."""
+        return int(getattr(self.ctx, "step", 0) or 0)
 
     # producer
     def _source(self) -> Iterator[Any]:
