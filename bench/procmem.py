@@ -144,7 +144,10 @@ class PeakMemorySampler:
             mb = peak_rss_mb(pid)
             if mb is None:
                 continue
-            role = self._peaks[pid][0] if pid in self._peaks else classify_role(cmdline(pid))
+            # classified on every sample: a child caught between fork and exec still shows its
+            # parent's command line (the launcher's), and keeping that made roles go missing
+            argv = cmdline(pid)
+            role = classify_role(argv) if argv else self._peaks.get(pid, ("other", 0.0))[0]
             self._peaks[pid] = (role, max(mb, self._peaks.get(pid, ("", 0.0))[1]))
             cpu = cpu_seconds(pid)
             if cpu is not None:

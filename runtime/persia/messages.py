@@ -24,6 +24,8 @@ MAX_DIM = 1 << 16
 MAX_ITEMS = 1 << 16
 """Entries of one list (slots, tables, refs)."""
 MAX_NAME = 1024
+MAX_CARRIED_UPDATES = 1024
+"""Earlier batches' updates one lookup may carry (at most the NN worker's backward buffer)."""
 
 
 class MessageError(ValueError):
@@ -189,6 +191,13 @@ class PsUpdate(_Msg):
     tables: Annotated[list[PsGradTable], Field(max_length=MAX_ITEMS)]
 
 
+class PsStep(_Msg):
+    """Update first, then lookup (either may be absent for a replica that owns none of its IDs)."""
+
+    update: PsUpdate | None = None
+    lookup: PsLookup | None = None
+
+
 class WorkerLookup(_Msg):
     ref: Index
     train: bool = True  # False from eval/infer contexts: no rows created, no gradients awaited
@@ -208,6 +217,14 @@ class WorkerUpdate(_Msg):
     grads: Annotated[list[Annotated[Any, _array("f", 2)] | None], Field(max_length=MAX_ITEMS)]
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     unused_slots: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_ITEMS)]], Field(max_length=MAX_ITEMS)] = []
+
+
+class WorkerStep(_Msg):
+    """Lookup of ``ref`` carrying earlier batches' gradients, applied before the lookup."""
+
+    ref: Index
+    train: bool = True
+    updates: Annotated[list[WorkerUpdate], Field(max_length=MAX_CARRIED_UPDATES)] = []
 
 
 class WorkerRelease(_Msg):

@@ -106,6 +106,8 @@ def test_ps_and_worker_under_mutual_tls_from_env(certs, persia_env, monkeypatch)
     ("Lookup", {"ref": -1}),
     ("Lookup", {}),
     ("Update", {"ref": 1, "grads": "x"}),
+    ("Step", {"ref": 1, "updates": [{"ref": 2, "grads": "x"}]}),
+    ("Step", {"ref": 1, "updates": "all"}),
     ("Release", {"refs": ["a"]}),
     ("Stats", {"x": 1}),
 ])
@@ -155,9 +157,10 @@ def test_malformed_grpc_requests_never_change_state_or_stop_a_server(persia_env)
         ps.lookup({"train": True, "tables": [{"dim": 4, "signs": np.arange(1, 6, dtype=np.uint64)}]})
         clients = {"ps": rpc.Client(f"127.0.0.1:{ps.port}", "persia.EmbeddingParameterServer"),
                    "ew": rpc.Client(f"127.0.0.1:{ew.port}", "persia.EmbeddingWorker")}
-        methods = [("ps", "Lookup", M.PsLookup), ("ps", "Update", M.PsUpdate), ("ps", "Stats", M.NoPayload),
+        methods = [("ps", "Lookup", M.PsLookup), ("ps", "Update", M.PsUpdate), ("ps", "Step", M.PsStep),
+                   ("ps", "Stats", M.NoPayload),
                    ("ew", "Lookup", M.WorkerLookup), ("ew", "LookupDirect", M.WorkerLookupDirect),
-                   ("ew", "Update", M.WorkerUpdate), ("ew", "Release", M.WorkerRelease)]
+                   ("ew", "Update", M.WorkerUpdate), ("ew", "Step", M.WorkerStep), ("ew", "Release", M.WorkerRelease)]
         before = (len(ps.store), ew.stats())
         refused = set()
         try:

@@ -105,6 +105,7 @@ class EmbeddingWorker:
                 "Lookup": (self.lookup, M.WorkerLookup),
                 "LookupDirect": (self.lookup_direct, M.WorkerLookupDirect),
                 "Update": (self.update, M.WorkerUpdate),
+                "Step": (self.step, M.WorkerStep),
                 "Release": (self.release, M.WorkerRelease),
                 "Stats": (lambda _req: self.stats(), M.NoPayload),
             },
@@ -165,8 +166,10 @@ class EmbeddingWorker:
         futures = [None if r is None else self.ps[s].future(method, r) for s, r in enumerate(requests)]
         return [None if f is None else self.ps[s].result(method, f) for s, f in enumerate(futures)]
 
-    def _lookup_prepared(self, prepared: pipeline.PreparedBatch, train: bool,
-                         nonce: int | None = None) -> tuple[list[dict], list]:
+    def _lookup_requests(self, prepared: pipeline.PreparedBatch, train: bool,
+                         nonce: int | None = None) -> tuple[list, list[dict | None]]:
+        """Per PS replica: the positions (into ``prepared.tables``) of the signs it owns and its
+        lookup request (None when it owns none)."""
         positions = pipeline.split_by_shard(prepared.tables, len(self.ps))
         extra = {} if nonce is None else {"nonce": nonce}  # the batch id: sharding-free admission draws
         requests = [
@@ -175,25 +178,43 @@ class EmbeddingWorker:
             if positions[s] else None
             for s in range(len(self.ps))
         ]
-        replies = [None if resp is None else resp["rows"] for resp in self._call_ps("Lookup", requests)]
-        rows = pipeline.assemble_rows(prepared.tables, positions, replies)
-        return pipeline.lookup_reply(prepared, rows), positions
+        return positions, requests
 
-    def lookup(self, req: dict) -> dict:
-        t0 = time.perf_counter()
+    @staticmethod
+    def _reply(prepared: pipeline.PreparedBatch, positions: list, replies: list) -> dict:
+        """The NN's lookup reply from the PS replicas' answers (None: a replica not asked)."""
+        rows = pipeline.assemble_rows(prepared.tables, positions,
+                                      [None if r is None else r["rows"] for r in replies])
+        return pipeline.lookup_reply(prepared, rows)
+
+    def _lookup_prepared(self, prepared: pipeline.PreparedBatch, train: bool,
+                         nonce: int | None = None) -> tuple[dict, list]:
+        positions, requests = self._lookup_requests(prepared, train, nonce)
+        return self._reply(prepared, positions, self._call_ps("Lookup", requests)), positions
+
+    def _take_for_lookup(self, req: dict) -> tuple[int, dict, pipeline.PreparedBatch, bool]:
         ref = int(req["ref"])
         batch = self.forward_buffer.take(ref)
         prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit,
                                     checked=True)  # validated by on_forward when it arrived
         # an eval/infer NN context asks train=False: no rows created, no gradients awaited
         train = bool(batch.get("requires_grad", True)) and bool(req.get("train", True))
-        reply, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"))
+        return ref, batch, prepared, train
+
+    def _looked_up(self, ref: int, batch: dict, prepared: pipeline.PreparedBatch, positions: list,
+                   train: bool, t0: float) -> None:
         if train:
             self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)
             self.metrics.inc("staleness")
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
         self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in batch["features"]))
         self.metrics.observe("lookup_total_time_cost_sec", time.perf_counter() - t0)
+
+    def lookup(self, req: dict) -> dict:
+        t0 = time.perf_counter()
+        ref, batch, prepared, train = self._take_for_lookup(req)
+        reply, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"))
+        self._looked_up(ref, batch, prepared, positions, train, t0)
         return reply
 
     def lookup_direct(self, req: dict) -> dict:
@@ -205,20 +226,56 @@ class EmbeddingWorker:
         self.metrics.observe("lookup_direct_time_cost_sec", time.perf_counter() - t0)
         return reply
 
-    def update(self, req: dict) -> dict:
-        t0 = time.perf_counter()
-        ref = int(req["ref"])
-        looked: _Looked = self.post_buffer.take(ref)
+    def _update_tables(self, req: dict) -> tuple[list[list[dict]], list[str]]:
+        """One NN update (``WorkerUpdate``) as gradient tables per PS replica; takes the batch's
+        post-forward entry."""
+        looked: _Looked = self.post_buffer.take(int(req["ref"]))
         self.metrics.dec("staleness")
         checked = pipeline.check_gradients(looked.prepared, req["grads"], float(req.get("scale", 1.0)),
                                            req.get("unused_slots", []))
         for name in checked.skipped_non_finite:
             self.metrics.inc("nan_grad_skipped", feat=name)
-        parts = pipeline.split_gradients(looked.prepared.tables, looked.positions, checked)
+        return pipeline.split_gradients(looked.prepared.tables, looked.positions, checked), checked.skipped_non_finite
+
+    def update(self, req: dict) -> dict:
+        t0 = time.perf_counter()
+        parts, skipped = self._update_tables(req)
         requests = [{"tables": tables} if tables else None for tables in parts]
         missing = sum(int(r["missing"]) for r in self._call_ps("Update", requests) if r is not None)
         self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
-        return {"missing": missing, "skipped": checked.skipped_non_finite}
+        return {"missing": missing, "skipped": skipped}
+
+    def step(self, req: dict) -> dict:
+        """Earlier batches' gradients (``updates``, applied first) and the lookup of ``ref``, with
+        one call per PS replica: what an NN worker sends instead of Update + Lookup."""
+        t0 = time.perf_counter()
+        carried: list[list[dict]] = [[] for _ in self.ps]
+        skipped: list[str] = []
+        for u in req.get("updates") or []:
+            parts, sk = self._update_tables(u)
+            skipped += sk
+            for s, tables in enumerate(parts):
+                carried[s] += tables
+        if req.get("updates"):
+            self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        try:
+            ref, batch, prepared, train = self._take_for_lookup(req)
+        except KeyError:  # the lookup cannot run (expired, released): the gradients still land
+            self._call_ps("Update", [{"tables": t} if t else None for t in carried])
+            raise
+        positions, lookups = self._lookup_requests(prepared, train, batch.get("batch_id"))
+        requests = [
+            {"update": {"tables": carried[s]} if carried[s] else None, "lookup": lookups[s]}
+            if carried[s] or lookups[s] is not None else None
+            for s in range(len(self.ps))
+        ]
+        replies = self._call_ps("Step", requests)
+        missing = sum(int(r["missing"]) for r in replies if r is not None)
+        reply = self._reply(prepared, positions,
+                            [r if r is not None and lookups[s] is not None else None for s, r in enumerate(replies)])
+        self._looked_up(ref, batch, prepared, positions, train, t1)
+        return {**reply, "missing": missing, "skipped": skipped}
 
     def release(self, req: dict) -> dict:
         """Forget batches a trainer will not train on (e.g. uneven tail across DDP ranks)."""

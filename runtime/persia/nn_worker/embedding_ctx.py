@@ -143,11 +143,16 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _attach_permits(self, permits) -> None:
         self._permits = permits
 
-    def _lookup_message(self, msg: dict, holds_permit: bool) -> PersiaTrainingBatch:
+    def _lookup_call(self, worker: int, msg: dict, transferred=None) -> dict:
+        """The lookup of a streamed batch (TrainCtx adds earlier batches' gradients to it)."""
+        # train=False: an eval/infer context never creates rows, whatever the batch asked for
+        return self._stream_clients()[worker].call("Lookup", {"ref": int(msg["ref"]), "train": self.is_training})
+
+    def _lookup_message(self, msg: dict, holds_permit: bool, transferred=None) -> PersiaTrainingBatch:
+        """``transferred``: an update whose staleness permit this lookup takes over (TrainCtx)."""
         worker = int(msg["worker"])
         try:
-            # train=False: an eval/infer context never creates rows, whatever the batch asked for
-            resp = self._stream_clients()[worker].call("Lookup", {"ref": int(msg["ref"]), "train": self.is_training})
+            resp = self._lookup_call(worker, msg, transferred)
         except BaseException:
             if holds_permit and self._permits is not None:
                 self._permits.release()

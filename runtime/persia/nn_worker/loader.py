@@ -122,11 +122,27 @@ class _LoaderIterator:
             return src
         return iter(ds)
 
-    def _acquire_permit(self) -> bool:
-        while not self._permits.acquire(timeout=0.5):
+    def _acquire_permit(self) -> tuple[bool, Any]:
+        """``(got a permit, the pending update whose permit was taken over or None)``.
+
+        When every permit is held and an update of an earlier batch waits in the context's outbox
+        (not yet applied), the lookup takes that update's permit and carries it: the worker
+        applies it first, so the bound holds (persia.nn_worker.outbox)."""
+        claim = getattr(self.ctx, "_claim_permit", None)
+        if claim is None:
+            while not self._permits.acquire(timeout=0.5):
+                if self._stop.is_set():
+                    return False, None
+            return True, None
+        while True:
+            if self._permits.acquire(timeout=0.002):
+                return True, None
+            taken = claim()
+            if taken is not None:
+                return True, taken
             if self._stop.is_set():
-                return False
-        return True
+                return False, None
+            self.ctx._wait_for_update(0.005)
 
     def _dispatch(self) -> None:
         try:
@@ -139,10 +155,15 @@ class _LoaderIterator:
                         self._release_unlooked(item)
                         continue
                     holds_permit = self._permits is not None and bool(item.get("requires_grad", True))
-                    if holds_permit and not self._acquire_permit():
-                        self._release_unlooked(item)
-                        continue
-                    fut = self._pool.submit(self._timed_lookup, item, holds_permit)
+                    transferred = None
+                    if holds_permit:
+                        got, transferred = self._acquire_permit()
+                        if not got:
+                            self._release_unlooked(item)
+                            continue
+                    fut = self._pool.submit(self._timed_lookup, item, holds_permit, transferred)
+                    if transferred is not None:  # a lookup cancelled at shutdown still applies it
+                        fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._send_alone(u))
                 else:
                     fut = self._pool.submit(self.ctx._lookup_batch, item)
                 self._put(fut)
@@ -153,9 +174,10 @@ class _LoaderIterator:
             return
         self._put(_END, force=True)
 
-    def _timed_lookup(self, item: dict, holds_permit: bool) -> PersiaTrainingBatch:
+    def _timed_lookup(self, item: dict, holds_permit: bool, transferred: Any = None) -> PersiaTrainingBatch:
         t0 = time.perf_counter()
-        batch = self.ctx._lookup_message(item, holds_permit)
+        batch = (self.ctx._lookup_message(item, holds_permit) if transferred is None
+                 else self.ctx._lookup_message(item, holds_permit, transferred))
         if self._lookahead is not None:
             self._lookahead.record_lookup(time.perf_counter() - t0)
         return batch

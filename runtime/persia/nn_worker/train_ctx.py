@@ -26,6 +26,7 @@ from persia.nn_worker import checkpoint_plan
 from persia.nn_worker.checkpoint import check_optimizer_state
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
+from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -91,6 +92,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._update_error: BaseException | None = None
+        self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s())
         self._current_batch: PersiaTrainingBatch | None = None
         self._control_group = None
         self.trained_batches = 0
@@ -271,22 +273,82 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                     "lower the learning rate or check the input data")
 
     def _send_update(self, batch: PersiaTrainingBatch, grads: list, scale: float) -> None:
+        """Leave the batch's gradients for the next lookup to its embedding worker to carry
+        (:mod:`persia.nn_worker.outbox`); bounded by ``backward_buffer_size`` updates."""
         self._backward_slots.acquire()
-        client = self._worker_clients()[batch.worker]
+        self._outbox.put(PendingUpdate(batch.worker, batch.ref, grads, scale, batch.holds_permit,
+                                       unused_slots=batch.unused_slots()))
 
-        def send():
-            try:
-                client.call("Update", {"ref": batch.ref, "grads": grads, "scale": scale,
-                                       "unused_slots": batch.unused_slots()})
-            finally:
-                if batch.holds_permit and self._permits is not None:
-                    self._permits.release()
-                self._backward_slots.release()
-
-        fut = self._backward_pool.submit(send)
+    def _track(self) -> Future:
+        """A future ``_wait_for_updates`` waits for, and whose failure the next step raises."""
+        fut: Future = Future()
         with self._pending_lock:
             self._pending.add(fut)
         fut.add_done_callback(self._update_done)
+        return fut
+
+    def _applied(self, update: PendingUpdate, passes_permit: bool = False) -> None:
+        if update.holds_permit and not passes_permit and self._permits is not None:
+            self._permits.release()
+        self._backward_slots.release()
+
+    def _update_now(self, update: PendingUpdate, passes_permit: bool = False, fut: Future | None = None) -> None:
+        """Send one update on its own (blocking) and account for it."""
+        fut = fut or self._track()
+        try:
+            self._worker_clients()[update.worker].call("Update", update.message())
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        else:
+            fut.set_result(None)
+        finally:
+            self._applied(update, passes_permit)
+
+    def _send_alone(self, update: PendingUpdate) -> None:
+        """The outbox's flusher: an update no lookup carried in time goes on its own."""
+        fut = self._track()  # now, so that _wait_for_updates cannot miss it before the pool runs it
+
+        def send():
+            try:
+                self._update_now(update, fut=fut)
+            except BaseException:  # noqa: BLE001 - recorded by its future, raised at the next step
+                pass
+
+        self._backward_pool.submit(send)
+
+    def _claim_permit(self) -> PendingUpdate | None:
+        """For a dispatcher out of staleness permits: a pending update whose permit it may take
+        over (the update is applied before its lookup, in the same call)."""
+        return self._outbox.claim_permit()
+
+    def _wait_for_update(self, timeout: float) -> None:
+        self._outbox.wait(timeout)
+
+    def _lookup_call(self, worker: int, msg: dict, transferred: PendingUpdate | None = None) -> dict:
+        """``Step``: this worker's pending updates (and ``transferred``), then the lookup."""
+        carried = self._outbox.claim_for(worker)
+        if transferred is not None:
+            if transferred.worker == worker:
+                carried.append(transferred)
+            else:  # another worker's batch: applied first on its own, its permit passes on
+                self._update_now(transferred, passes_permit=True)
+        if not carried:
+            return super()._lookup_call(worker, msg)
+        carried.sort(key=lambda u: u.queued_at)
+        fut = self._track()
+        try:
+            resp = self._stream_clients()[worker].call(
+                "Step", {"ref": int(msg["ref"]), "train": True, "updates": [u.message() for u in carried]})
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        else:
+            fut.set_result(None)
+        finally:
+            for u in carried:
+                self._applied(u, passes_permit=u is transferred)
+        return resp
 
     def _update_done(self, fut: Future) -> None:
         with self._pending_lock:
@@ -302,6 +364,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             raise PersiaError(f"an embedding gradient update failed: {err}") from err
 
     def _wait_for_updates(self) -> None:
+        self._outbox.flush()
         while True:
             with self._pending_lock:
                 pending = list(self._pending)
@@ -319,7 +382,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             self._last_progress = now
             try:
                 with self._pending_lock:
-                    staleness = len(self._pending)
+                    staleness = len(self._pending) + len(self._outbox)
                 self.bus.publish(subject("nn", "progress"),
                                  self._progress.report(self.rank, self.trained_batches, staleness))
             except Exception:  # noqa: BLE001 - progress is best effort
@@ -368,6 +431,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 self.bus.publish(subject("nn", "done"), {"rank": self.rank})
             except Exception:  # noqa: BLE001 - best effort: they give up after 30 s otherwise
                 pass
+            self._outbox.close()  # what no lookup carried goes on its own, before the pool stops
             self._restore_sigterm()
             for sub in getattr(self, "_subs", ()):  # a later TrainCtx in this process answers instead
                 self.bus.unsubscribe(sub)
@@ -402,6 +466,18 @@ def float32_outputs(output):
     if type(output) is dict:
         return {k: float32_outputs(v) for k, v in output.items()}
     return output
+
+
+def _update_hold_s() -> float:
+    """How long an update may wait for a lookup to carry it (``PERSIA_UPDATE_HOLD_MS``, default 50)."""
+    raw = os.environ.get("PERSIA_UPDATE_HOLD_MS", "50")
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise PersiaValidationError(f"PERSIA_UPDATE_HOLD_MS must be a number of milliseconds, got {raw!r}") from None
+    if not 0 <= ms <= 60_000:
+        raise PersiaValidationError(f"PERSIA_UPDATE_HOLD_MS must be in 0..60000, got {raw!r}")
+    return ms / 1000.0
 
 
 def _checkpointing_config():

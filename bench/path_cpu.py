@@ -1,0 +1,116 @@
+"""CPU per training sample of each role of our system (``make bench-path``; part of ``make bench``).
+
+Two runs of the same configuration that differ only in training rows; per role, the difference
+of their CPU seconds divided by the difference of rows is that role's *marginal* CPU per sample:
+start-up, discovery and evaluation are the same in both runs and cancel. The embedding path is
+what the disaggregated embedding costs beside the NN worker: data loader + embedding worker + PS
++ nats-server (issue 15's item 3, target <= 20 µs).
+
+    python -m bench.path_cpu                       # 40k and 160k rows, hybrid st=2, nn-threads 2
+    python -m bench.path_cpu --pairs 3 --system persia-sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench._paths import RESULTS_DIR
+from bench.e2e_bench import PROFILES, command_for, execute
+from bench.persia_local import find_launcher, launcher_unavailable_reason
+from bench.spec import RunSpec
+from synthetic_ctr.generate import generate_dataset
+
+EMBEDDING_PATH_ROLES = ("data-loader", "embedding-worker", "ps", "nats")
+
+
+def marginal_us_per_sample(small: dict[str, dict], large: dict[str, dict], rows: int) -> dict[str, float]:
+    """Per role present in both runs: (CPU large - CPU small) / rows, in µs; plus the embedding
+    path's sum and every role's sum. Pure, so the arithmetic is tested without running anything."""
+    if rows <= 0:
+        raise ValueError(f"rows must be positive, got {rows}")
+    missing = [r for r in EMBEDDING_PATH_ROLES + ("nn-worker",)
+               if small.get(r, {}).get("cpu_s") is None or large.get(r, {}).get("cpu_s") is None]
+    if missing:
+        raise ValueError(f"no CPU figure for role(s) {missing} in one of the two runs")
+    out = {}
+    for role in sorted(set(small) & set(large)):
+        a, b = small[role].get("cpu_s"), large[role].get("cpu_s")
+        if a is not None and b is not None:
+            out[role] = (b - a) / rows * 1e6
+    out["embedding_path"] = sum(out.get(r, 0.0) for r in EMBEDDING_PATH_ROLES)
+    out["all_roles"] = sum(v for k, v in out.items() if k not in ("embedding_path", "all_roles"))
+    return out
+
+
+def median_by_role(pairs: list[dict[str, float]]) -> dict[str, float]:
+    roles = sorted(set().union(*pairs)) if pairs else []
+    return {r: statistics.median(p[r] for p in pairs if r in p) for r in roles}
+
+
+def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
+            nn_threads: int, batch_size: int, results_dir: Path, log=print) -> dict[str, Any]:
+    reason = launcher_unavailable_reason()
+    if reason:
+        raise SystemExit(f"cannot measure our system: {reason}")
+    launcher = find_launcher()
+    profile = PROFILES["full"]
+    data_dir = results_dir / "data" / profile.name
+    generate_dataset(data_dir, profile.data)
+    runs = []
+    for i in range(pairs):
+        got = {}
+        for rows in (small_rows, large_rows):
+            spec = RunSpec(system=system, data_dir=str(data_dir), mlp="mlp400", batch_size=batch_size, seed=i,
+                           train_rows=rows, test_rows=2_000, eval_points=1, curve_eval_rows=1_000,
+                           staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads)
+            argv, env = command_for(spec, launcher)
+            rec = execute(argv, env, spec.timeout_s, results_dir / "logs" / f"path-cpu-{i}-{rows}.log")
+            if rec["status"] != "ok":
+                raise SystemExit(f"run of {rows} rows failed: {rec.get('reason')}")
+            got[rows] = rec
+        per = marginal_us_per_sample(got[small_rows]["memory"], got[large_rows]["memory"], large_rows - small_rows)
+        load = max(r[k] for r in got.values() for k in ("loadavg_start", "loadavg_end"))
+        runs.append({"us_per_sample": per, "load": load,
+                     "samples_per_sec": got[large_rows]["result"].get("samples_per_sec")})
+        log(f"pair {i + 1}/{pairs} (load {load:.1f}): " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+    return {
+        "system": system, "staleness": staleness, "batch_size": batch_size, "nn_threads": nn_threads,
+        "rows": [small_rows, large_rows], "pairs": runs,
+        "median_us_per_sample": median_by_role([r["us_per_sample"] for r in runs]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--system", choices=["persia-hybrid", "persia-sync"], default="persia-hybrid")
+    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--small-rows", type=int, default=40_000)
+    p.add_argument("--large-rows", type=int, default=160_000)
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--nn-threads", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    p.add_argument("--output", type=Path, help="JSON file (default: <results>/path_cpu.json)")
+    a = p.parse_args(argv)
+    if not 0 < a.small_rows < a.large_rows:
+        p.error(f"need 0 < --small-rows < --large-rows, got {a.small_rows} and {a.large_rows}")
+    if a.pairs < 1:
+        p.error(f"--pairs must be >= 1, got {a.pairs}")
+    doc = measure(a.system, a.staleness, a.small_rows, a.large_rows, a.pairs, a.nn_threads, a.batch_size,
+                  a.results_dir)
+    out = a.output or a.results_dir / "path_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    med = doc["median_us_per_sample"]
+    print("µs CPU per training sample (median of pairs): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
+    print(f"written {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The NN worker's update outbox: what a lookup carries, what is sent alone, and when."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
+
+
+def upd(worker: int, ref: int, permit: bool = True) -> PendingUpdate:
+    return PendingUpdate(worker=worker, ref=ref, grads=[None], scale=1.0, holds_permit=permit)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_lookup_carries_every_update_of_its_worker_oldest_first():
+    box = UpdateOutbox(lambda u: None, start_flusher=False)
+    for w, ref in [(0, 1), (1, 2), (0, 3), (1, 4)]:
+        box.put(upd(w, ref))
+    assert [u.ref for u in box.claim_for(0)] == [1, 3]
+    assert [u.ref for u in box.claim_for(0)] == []
+    assert len(box) == 2 and box.carried == 2
+
+
+def test_a_permit_is_taken_over_only_from_an_update_that_holds_one():
+    box = UpdateOutbox(lambda u: None, start_flusher=False)
+    box.put(upd(0, 1, permit=False))
+    box.put(upd(1, 2, permit=True))
+    box.put(upd(0, 3, permit=True))
+    assert box.claim_permit().ref == 2  # the oldest holding one; the one without is skipped
+    assert box.claim_permit().ref == 3
+    assert box.claim_permit() is None
+    assert [u.ref for u in box.claim_for(0)] == [1]
+
+
+def test_updates_held_past_the_limit_are_due_in_order():
+    clock = Clock()
+    box = UpdateOutbox(lambda u: None, max_hold_s=0.05, clock=clock, start_flusher=False)
+    box.put(upd(0, 1))
+    clock.t += 0.03
+    box.put(upd(0, 2))
+    assert box.due(clock()) == []
+    clock.t += 0.03
+    assert [u.ref for u in box.due(clock())] == [1]  # 60 ms old; the second is 30 ms old
+    clock.t += 0.03
+    assert [u.ref for u in box.due(clock())] == [2]
+
+
+def test_the_flusher_sends_an_update_no_lookup_claimed():
+    sent: list[int] = []
+    done = threading.Event()
+
+    def send(u):
+        sent.append(u.ref)
+        done.set()
+
+    box = UpdateOutbox(send, max_hold_s=0.01)
+    try:
+        box.put(upd(0, 7))
+        assert done.wait(10), "the held update was never sent"
+        assert sent == [7] and box.sent_alone == 1 and len(box) == 0
+    finally:
+        box.close()
+
+
+def test_flush_sends_everything_and_a_closed_outbox_refuses_more():
+    sent: list[int] = []
+    box = UpdateOutbox(lambda u: sent.append(u.ref), max_hold_s=3600)
+    box.put(upd(0, 1))
+    box.put(upd(1, 2))
+    box.close()
+    assert sent == [1, 2]
+    with pytest.raises(RuntimeError, match="closed"):
+        box.put(upd(0, 3))
+
+
+def test_wait_returns_when_an_update_with_a_permit_arrives():
+    box = UpdateOutbox(lambda u: None, start_flusher=False)
+    threading.Timer(0.05, lambda: box.put(upd(0, 1))).start()
+    t0 = time.monotonic()
+    box.wait(30)  # returns at the put, not after 30 s
+    assert time.monotonic() - t0 < 25
+    assert box.claim_permit().ref == 1
+
+
+def test_negative_hold_is_refused():
+    with pytest.raises(ValueError, match="max_hold_s must be >= 0, got -1"):
+        UpdateOutbox(lambda u: None, max_hold_s=-1, start_flusher=False)
