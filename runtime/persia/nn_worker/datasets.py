@@ -83,6 +83,7 @@ class StreamingDataset(IterableDatasetBase):
         self.until = until
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._lock = threading.Lock()
+        self._space = threading.Condition(self._lock)  # notified when the consumer takes an item
         self._closed = False
         self._subs: list = []
         self.received_total = 0
@@ -104,8 +105,9 @@ class StreamingDataset(IterableDatasetBase):
         for sub in self._subs:
             bus.unsubscribe(sub)
         self._subs = []
-        with self._lock:
+        with self._space:
             self._closed = True
+            self._space.notify_all()  # waiting offers answer at once instead of at their deadline
             while True:
                 try:
                     state.carry.append(self._queue.get_nowait())
@@ -113,9 +115,11 @@ class StreamingDataset(IterableDatasetBase):
                     break
 
     def _offer(self, item: tuple) -> bool:
+        """Queue ``item``, waiting up to ``busy_wait_s`` for room (woken by the consumer, not by
+        polling: a data loader ahead of training keeps a request waiting here for every batch)."""
         end = time.monotonic() + self.busy_wait_s
-        while True:
-            with self._lock:
+        with self._space:
+            while True:
                 if self._closed:
                     return False
                 try:
@@ -123,9 +127,10 @@ class StreamingDataset(IterableDatasetBase):
                     return True
                 except queue.Full:
                     pass
-            if time.monotonic() >= end:
-                return False
-            time.sleep(0.005)
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._space.wait(left)
 
     def _on_batch(self, msg: dict) -> Any:
         # a restarted data loader counts its ids from 0 again: its session tells its batches apart
@@ -163,6 +168,8 @@ class StreamingDataset(IterableDatasetBase):
                         kind, msg = self._queue.get(timeout=timeout_s)
                     except queue.Empty:
                         raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:.0f}s ({self._waiting(state)})") from None
+                    with self._space:
+                        self._space.notify()
                 if kind == "eos":
                     self._on_end(state, msg)
                     continue

@@ -432,6 +432,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             except Exception:  # noqa: BLE001 - best effort: they give up after 30 s otherwise
                 pass
             self._outbox.close()  # what no lookup carried goes on its own, before the pool stops
+            log.info("embedding updates: %d carried on lookups, %d sent alone",
+                     self._outbox.carried, self._outbox.sent_alone)
             self._restore_sigterm()
             for sub in getattr(self, "_subs", ()):  # a later TrainCtx in this process answers instead
                 self.bus.unsubscribe(sub)
