@@ -185,3 +185,28 @@ def test_malformed_grpc_requests_never_change_state_or_stop_a_server(persia_env)
         finally:
             for c in clients.values():
                 c.close()
+
+
+def test_gradients_of_the_wrong_shape_are_refused_naming_field_and_value(persia_env):
+    """Update carries one (n_distinct, dim) gradient per dim of the Lookup reply; a gradient shaped
+    for another batch is refused with the field, the expected and the received shape."""
+    with cluster(1, 1) as (ps, ew):
+        ps.configure({})
+        ps.register_optimizer({"type": "SGD", "lr": 0.1})
+        batch = {"batch_size": 3, "features": [{"name": "user", "values": np.array([5, 6, 5], np.uint64),
+                                                 "offsets": np.array([0, 1, 2, 3], np.int64)}]}
+        ref = ew.on_forward(batch)["ref"]
+        client = rpc.Client(f"127.0.0.1:{ew.port}", "persia.EmbeddingWorker")
+        try:
+            reply = client.call("Lookup", {"ref": ref}, timeout=10)
+            assert [t["rows"].shape for t in reply["tables"]] == [(2, 4)]  # IDs 5 and 6, once each
+            assert reply["tables"][0]["gather"].tolist() == [[0, 1, 0]]
+            with pytest.raises(RemoteError) as err:
+                client.call("Update", {"ref": ref, "grads": [np.zeros((3, 4), np.float32)]}, timeout=10)
+            assert err.value.kind == "INVALID_ARGUMENT"
+            assert "field 'grads[0]': expected shape (2, 4)" in str(err.value) and "got (3, 4)" in str(err.value)
+            ref = ew.on_forward(batch)["ref"]
+            client.call("Lookup", {"ref": ref}, timeout=10)
+            assert client.call("Update", {"ref": ref, "grads": [np.ones((2, 4), np.float32)]}, timeout=10)["missing"] == 0
+        finally:
+            client.close()

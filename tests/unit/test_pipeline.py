@@ -105,22 +105,28 @@ def test_sum_pooling_and_gradients_match_the_per_id_reference(a, b_seed, sqrt):
 def test_one_id_per_sample_slots_gather_together_and_add_up_repeats():
     """Single-ID slots (Criteo-style) are one gather per dim; repeated IDs within and across
     slots must still add up, and mixed dims keep their own tables."""
-    slots = {"a": spec("a", 3, 0, sqrt_scaling=True), "b": spec("b", 3, 1), "c": spec("c", 2, 2)}
-    a, b, c = [[7], [7], [9], [7]], [[1], [2], [1], [1]], [[4], [4], [4], [5]]
-    features = [{"name": n, "values": v, "offsets": o} for n, (v, o) in zip("abc", (csr(a), csr(b), csr(c)))]
+    slots = {"a": spec("a", 3, 0, sqrt_scaling=True), "b": spec("b", 3, 1), "c": spec("c", 2, 2),
+             "d": spec("d", 3, 1)}  # d: ragged, in b's feature group (shares its signs)
+    a, b, c, d = [[7], [7], [9], [7]], [[1], [2], [1], [1]], [[4], [4], [4], [5]], [[1, 2], [], [2], [8]]
+    features = [{"name": n, "values": v, "offsets": o} for n, (v, o) in zip("abcd", map(csr, (a, b, c, d)))]
     rng = np.random.default_rng(0)
     upstream = [rng.standard_normal((4, s.dim)).astype(np.float32) for s in slots.values()]
     prepared, emb, checked = run(features, 4, slots, upstream)
-    assert all(s.one_per_sample for s in prepared.slots)
-    assert list(prepared.tables) == [3, 2] and prepared.tables[3].size == 4 and prepared.tables[2].size == 2
-    for out, samples, s, g in zip(emb, (a, b, c), slots.values(), upstream):
-        expect = {}
-        for i, (x,) in enumerate(samples):
-            sign = int(signs_of([x], s)[0])
-            np.testing.assert_array_equal(out[i], row_of(sign, s.dim))
-            expect[sign] = expect.get(sign, np.zeros(s.dim)) + g[i]
-        for sign, total in expect.items():
-            np.testing.assert_allclose(grad_of_sign(prepared, checked, s.dim, sign), total, rtol=1e-6, atol=1e-6)
+    assert [s.one_per_sample for s in prepared.slots] == [True, True, True, False]
+    assert list(prepared.tables) == [3, 2] and prepared.tables[3].size == 5 and prepared.tables[2].size == 2
+    expect: dict[int, np.ndarray] = {}
+    for out, samples, s, g in zip(emb, (a, b, c, d), slots.values(), upstream):
+        ref, occ = reference_sum(samples, s)
+        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+        for i, pairs in enumerate(occ):
+            for sign, f in pairs:
+                expect[sign] = expect.get(sign, np.zeros(s.dim)) + g[i] * f
+    for sign, total in expect.items():
+        dim = 2 if sign in prepared.tables[2].tolist() else 3
+        np.testing.assert_allclose(grad_of_sign(prepared, checked, dim, sign), total, rtol=1e-6, atol=1e-6)
+    reply = pipeline.lookup_reply(prepared, lookup_rows(prepared))
+    assert [t["gather"].shape for t in reply["tables"]] == [(2, 4), (1, 4)]  # one index per dim
+    assert [e.get("gather") for e in reply["slots"]] == [0, 1, 0, None]
     ragged = pipeline.prepare([{"name": "b", "values": csr([[1], [], [2, 1], [1]])[0],
                                 "offsets": csr([[1], [], [2, 1], [1]])[1]}], 4, slots, PREFIX_BIT)
     assert not ragged.slots[0].one_per_sample  # same nnz as the batch size, but not one per sample

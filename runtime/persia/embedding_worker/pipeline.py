@@ -2,8 +2,8 @@
 
 ``prepare`` turns one batch of ID features into distinct signs per embedding dim (after hash stack
 and feature-group prefix); ``split_by_shard`` routes them to PS replicas; ``lookup_reply`` is what
-the NN worker gets: each dim's distinct rows once plus, per slot, the index of every ID occurrence
-into them (the NN builds the per-slot tensors with torch, so its autograd sums each occurrence's
+the NN worker gets: each dim's distinct rows once plus the index of every ID occurrence into them
+(the NN builds the per-slot tensors with torch, so its autograd sums each occurrence's
 gradient into its distinct row); ``check_gradients`` validates those per-dim gradients and picks the
 rows the PS must update. No pooling, no gradient reduction and no per-ID Python loop here.
 """
@@ -177,33 +177,37 @@ def raw_scale(spec: SlotSpec) -> float:
     return 1.0
 
 
-def slot_layout(batch: PreparedBatch) -> list[dict]:
-    """Per slot, how the NN builds the model's tensor from its dim's distinct rows (int32 indices
-    into ``tables[dim]``).
+def lookup_reply(batch: PreparedBatch, rows: dict[int, np.ndarray]) -> dict:
+    """What a Lookup answers: how the NN builds the model's tensors from each dim's distinct rows
+    (all indices int32, into the rows of the slot's dim).
 
-    Summed slot: ``{"name", "dim", "index": (nnz,)}``, plus ``"offsets": (bs+1,)`` and
-    ``"sqrt_scaling"`` unless every sample has exactly one ID (then the tensor is the gather).
-    Raw slot: ``{"name", "dim", "raw_index": (bs, sample_fixed_size), "scale"}``, the index being
-    table row + 1 with 0 for padding (the model gets the rows times ``scale`` and the mask).
+    ``tables``: per dim ``{"dim", "rows": (n_distinct, dim) float32}`` in the order of
+    ``batch.tables[dim]``, plus ``"gather": (k, bs)``, the index of the dim's k slots that have
+    exactly one ID per sample (one array for all of them: one decode, one gather on the NN).
+    ``slots``, one entry per slot: ``{"name", "dim"}`` and either ``"gather": r`` (its row of the
+    table's gather), or ``"index": (nnz,)``, ``"offsets": (bs+1,)`` and ``"sqrt_scaling"`` (summed
+    slot), or ``"raw_index": (bs, sample_fixed_size)`` (table row + 1, 0 for padding) and
+    ``"scale"`` (raw slot: the model gets the rows times ``scale`` and the mask).
     """
-    out = []
+    tables = {d: {"dim": d, "rows": rows[d]} for d in batch.tables}
+    gathers: dict[int, list[np.ndarray]] = {}
+    slots = []
     for slot in batch.slots:
         spec = slot.spec
-        if spec.embedding_summation:
-            entry = {"name": spec.name, "dim": spec.dim, "index": slot.table_inverse}
-            if not slot.one_per_sample:
-                entry["offsets"] = slot.offsets.astype(np.int32)  # embedding_bag: same dtype as index
-                entry["sqrt_scaling"] = spec.sqrt_scaling
-        else:
-            entry = {"name": spec.name, "dim": spec.dim, "raw_index": slot.raw_index, "scale": raw_scale(spec)}
-        out.append(entry)
-    return out
-
-
-def lookup_reply(batch: PreparedBatch, rows: dict[int, np.ndarray]) -> dict:
-    """What a Lookup answers: ``tables`` (per dim, its distinct rows ``(n, dim)`` float32 in the
-    order of ``batch.tables[dim]``) and ``slots`` (:func:`slot_layout`)."""
-    return {"tables": [{"dim": d, "rows": rows[d]} for d in batch.tables], "slots": slot_layout(batch)}
+        entry: dict = {"name": spec.name, "dim": spec.dim}
+        if not spec.embedding_summation:
+            entry.update(raw_index=slot.raw_index, scale=raw_scale(spec))
+        elif slot.one_per_sample:
+            members = gathers.setdefault(spec.dim, [])
+            entry["gather"] = len(members)
+            members.append(slot.table_inverse)
+        else:  # embedding_bag wants offsets of the index's dtype
+            entry.update(index=slot.table_inverse, offsets=slot.offsets.astype(np.int32),
+                         sqrt_scaling=spec.sqrt_scaling)
+        slots.append(entry)
+    for d, members in gathers.items():
+        tables[d]["gather"] = np.stack(members)
+    return {"tables": list(tables.values()), "slots": slots}
 
 
 def assemble_rows(tables: dict[int, np.ndarray], positions: list[dict[int, np.ndarray]],

@@ -1,7 +1,7 @@
 """The model's per-slot embedding tensors, built in torch from the embedding worker's lookup reply.
 
 The reply carries each dim's distinct rows once and, per slot, the index of every ID occurrence
-into them (``persia.embedding_worker.pipeline.slot_layout``). Each dim's rows become one leaf
+into them (``persia.embedding_worker.pipeline.lookup_reply``). Each dim's rows become one leaf
 tensor; pooling (``embedding_bag``), the plain gather of one-ID slots and the raw slots' padded
 gather run in torch, so backward leaves one gradient row per distinct ID in ``leaf.grad``: the
 worker neither pools nor reduces gradients, and half the bytes travel each way.
@@ -44,44 +44,40 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
     """Summed slots give ``(bs, dim)``; raw slots ``(bs, sample_fixed_size, dim + 1)`` whose last
     channel is the mask (1 where an ID is, 0 for padding), as in PERSIA."""
     by_dim: dict[int, torch.Tensor] = {}
+    gathered: dict[int, tuple[torch.Tensor, ...]] = {}  # dim -> its one-ID slots' tensors
     leaves = []
     for t in tables:
+        d = int(t["dim"])
         leaf = _tensor(t["rows"], device).requires_grad_(requires_grad)
-        by_dim[int(t["dim"])] = leaf
+        by_dim[d] = leaf
         leaves.append(leaf)
-    emb: list[torch.Tensor | None] = [None] * len(slots)
-    gathers: dict[int, list[int]] = {}  # dim -> one-ID-per-sample slots: one gather for all of them
+        if "gather" in t:  # one gather (one index_add in backward) for all; unbind's backward stacks
+            k, bs = t["gather"].shape
+            gathered[d] = leaf.index_select(0, _index(t["gather"], device).view(-1)).view(k, bs, d).unbind(0)
+    emb = []
     padded: dict[int, torch.Tensor] = {}
-    for i, slot in enumerate(slots):
+    for slot in slots:
         d = int(slot["dim"])
         leaf = by_dim[d]
-        if "raw_index" in slot:
+        if "gather" in slot:
+            emb.append(gathered[d][slot["gather"]])
+        elif "raw_index" in slot:
             if d not in padded:  # row 0: the padding row (zeros, no gradient)
                 padded[d] = torch.cat([leaf.new_zeros(1, d), leaf])
             index = _index(slot["raw_index"], device)
             rows = padded[d][index]
             if slot["scale"] != 1.0:
                 rows = rows * slot["scale"]
-            emb[i] = torch.cat([rows, (index != 0).to(rows.dtype).unsqueeze(-1)], dim=-1)
-        elif "offsets" in slot:
+            emb.append(torch.cat([rows, (index != 0).to(rows.dtype).unsqueeze(-1)], dim=-1))
+        else:
             offsets = slot["offsets"]
             pooled = F.embedding_bag(_index(slot["index"], device), leaf, _index(offsets, device),
                                      mode="sum", include_last_offset=True)
             if slot["sqrt_scaling"]:
                 pooled = pooled * _tensor(sqrt_scale(offsets), device)[:, None]
-            emb[i] = pooled
-        else:
-            gathers.setdefault(d, []).append(i)
-    for d, members in gathers.items():
-        if len(members) == 1:
-            emb[members[0]] = by_dim[d].index_select(0, _index(slots[members[0]]["index"], device))
-            continue
-        index = _index(np.concatenate([slots[i]["index"] for i in members]), device)
-        # one gather (and one index_add in backward) for all of them; unbind's backward stacks
-        for i, t in zip(members, by_dim[d].index_select(0, index).view(len(members), -1, d).unbind(0)):
-            emb[i] = t
+            emb.append(pooled)
     if not requires_grad:
-        return SlotTensors(leaves=leaves, emb=emb, used=[False] * len(slots))  # type: ignore[arg-type]
+        return SlotTensors(leaves=leaves, emb=emb, used=[False] * len(slots))
     used = [False] * len(slots)
     return SlotTensors(leaves=leaves, emb=list(_MarkUsed.apply(used, *emb)), used=used)
 

@@ -16,8 +16,8 @@ class PersiaTrainingBatch:
     non_id_type_feature_names: list[str]
     labels: list[np.ndarray]
     label_names: list[str]
-    # the embedding worker's lookup reply: per slot, indices into its dim's distinct rows
-    # (persia.embedding_worker.pipeline.slot_layout), and per dim those rows ({"dim", "rows"})
+    # the embedding worker's lookup reply (persia.embedding_worker.pipeline.lookup_reply): per
+    # slot, indices into its dim's distinct rows; per dim, those rows (and the one-ID slots' index)
     embeddings: list[dict]
     meta: bytes | None = None
     batch_id: int | None = None
