@@ -157,6 +157,19 @@ def test_raw_slot_tensor_mask_and_gradients():
     assert s7 not in parts[0][0]["signs"].tolist() and len(parts[0][0]["signs"]) == len(table) - 1
 
 
+def test_raw_slot_tensor_can_be_modified_in_place_in_training():
+    """A raw slot's tensor was never a view: a model that scales it in place still trains."""
+    slots = {"r": spec("r", 2, 0, embedding_summation=False, sample_fixed_size=2)}
+    v, o = csr([[5, 6], [6]])
+    prepared = pipeline.prepare([{"name": "r", "values": v, "offsets": o}], 2, slots, PREFIX_BIT)
+    reply = pipeline.lookup_reply(prepared, lookup_rows(prepared))
+    built = embedding_tensors.build(reply["tables"], reply["slots"], "cpu", requires_grad=True)
+    built.emb[0].mul_(2.0)
+    built.emb[0].sum().backward()
+    assert built.used == [True]
+    np.testing.assert_array_equal(built.leaves[0].grad.numpy(), [[2, 2], [4, 4]])  # 5 once, 6 twice
+
+
 def test_raw_hash_stack_sqrt_scaling_scales_rows_not_the_mask():
     slots = {"r": spec("r", 2, 0, embedding_summation=False, sample_fixed_size=4, sqrt_scaling=True,
                        hash_stack_rounds=4, hash_stack_embedding_size=100)}

@@ -76,10 +76,12 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
             if slot["sqrt_scaling"]:
                 pooled = pooled * _tensor(sqrt_scale(offsets), device)[:, None]
             emb.append(pooled)
-    if not requires_grad:
-        return SlotTensors(leaves=leaves, emb=emb, used=[False] * len(slots))
     used = [False] * len(slots)
-    return SlotTensors(leaves=leaves, emb=list(_MarkUsed.apply(used, *emb)), used=used)
+    if not requires_grad or not emb:
+        return SlotTensors(leaves=leaves, emb=emb, used=used)
+    # raw slots' tensors were never views, so a model may modify them in place: they get copies
+    copies = tuple("raw_index" in slot for slot in slots)
+    return SlotTensors(leaves=leaves, emb=list(_MarkUsed.apply(used, copies, *emb)), used=used)
 
 
 class _MarkUsed(torch.autograd.Function):
@@ -88,14 +90,14 @@ class _MarkUsed(torch.autograd.Function):
     slot cost about 0.2 ms per batch of 26 slots."""
 
     @staticmethod
-    def forward(ctx, used, *tensors):
+    def forward(ctx, used, copies, *tensors):
         ctx.used = used
         ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+        return tuple(t.clone() if copy else t.view_as(t) for t, copy in zip(tensors, copies))
 
     @staticmethod
     def backward(ctx, *grads):
         for i, g in enumerate(grads):
             if g is not None:
                 ctx.used[i] = True
-        return (None, *grads)
+        return (None, None, *grads)
