@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency crds chart lint images images-check images-lock e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path crds chart lint images images-check images-lock e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -69,9 +69,13 @@ bench-ps: $(STAMP)
 bench-smoke: $(STAMP)
 	$(PY) -m bench.e2e_bench --smoke
 
-# The whole benchmark, latency runs included (< 30 minutes on 2 cores).
+# The whole benchmark, latency runs and CPU per sample by role included (< 30 minutes on 2 cores).
 bench: $(BENCH_STAMP) bench-ps
 	$(PY) -m bench.e2e_bench
+
+## Only the CPU per training sample of each role (bench/path_cpu.py; bench/results/path_cpu.json).
+bench-path: $(STAMP)
+	$(PY) -m bench.path_cpu
 
 ## Only the latency runs (every connection between roles delayed 0, 0.5, 2 ms), merged into the last
 ## `make bench` results and report.

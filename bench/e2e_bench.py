@@ -113,6 +113,9 @@ class Profile:
     # the torch threads of our NN worker in every run (None: the launcher's thread budget)
     hybrid_staleness: int = DEFAULT_HYBRID_STALENESS
     persia_nn_threads: int | None = None
+    # CPU per sample by role (bench/path_cpu.py): training rows of the small and the large run of
+    # each pair (one pair per repeat, headline configuration); None: not measured
+    path_cpu_rows: tuple[int, int] | None = None
     notes: tuple[str, ...] = field(default=())
 
 
@@ -169,6 +172,7 @@ PROFILES: dict[str, Profile] = {
         # starving the other roles): FFNN 1,355 vs 845 samples/s with the launcher's 1 thread
         persia_nn_threads=2,
         latency=LatencyPlan(train_rows=60_000, test_rows=20_000),
+        path_cpu_rows=(40_000, 160_000),
     ),
     # A few thousand rows through every stage (generator, each system, report); checks plumbing only.
     "smoke": Profile(
@@ -195,6 +199,7 @@ PROFILES: dict[str, Profile] = {
         adult_income=False,
         # one delayed run: the proxies, --nats-url and grpc_proxy plumbing (figures need more runs)
         latency=LatencyPlan(train_rows=2_000, test_rows=1_000, delays_ms=(2.0,), systems=(SystemPlan("persia-sync"),), baseline=None),
+        path_cpu_rows=(1_000, 3_000),  # plumbing only: figures from a run this short are noise
     ),
 }
 
@@ -394,6 +399,21 @@ def run_profile(
         if rec["status"] == "skipped":
             skip_reason[key] = rec["reason"]
 
+    path_cpu: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
+    if profile.path_cpu_rows and not only_latency and models is None:
+        if launcher is None:
+            path_cpu = {"status": "skipped", "reason": f"not yet measured: {persia_reason or 'not run: --systems leaves out our system'}"}
+        else:
+            from bench.path_cpu import measure_pairs
+
+            try:
+                path_cpu = {"status": "ok", **measure_pairs(
+                    launcher, data_dir, *profile.path_cpu_rows, profile.repeats, logs_dir,
+                    staleness=profile.hybrid_staleness, nn_threads=profile.persia_nn_threads or 2,
+                    batch_size=profile.batch_size, log=log)}
+            except RuntimeError as exc:
+                path_cpu = {"status": "failed", "reason": str(exc)}
+
     adult: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
     if profile.adult_income and not only_latency:
         if systems is not None and not any(s.startswith("persia") for s in systems):
@@ -427,6 +447,7 @@ def run_profile(
         },
         "runs": runs,
         "adult_income": adult,
+        "path_cpu": path_cpu,
         "total_seconds": time.perf_counter() - t0,
     }
     report_docs: Path | None = docs_dir
@@ -458,7 +479,7 @@ def merge_latency(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
         return doc
     old = json.loads(previous.read_text())
     kept = [r for r in old.get("runs", []) if not str(r.get("mlp", "")).startswith("latency")]
-    return {**old, "runs": kept + doc["runs"], "latency_updated": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {**old, "runs": kept + doc["runs"], "latency_updated": time.strftime("%Y-%m-%d %H:%M:%S")}  # path_cpu kept too
 
 
 def main(argv: list[str] | None = None) -> int:

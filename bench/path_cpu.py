@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from bench._paths import RESULTS_DIR
-from bench.e2e_bench import PROFILES, command_for, execute
 from bench.persia_local import find_launcher, launcher_unavailable_reason
 from bench.spec import RunSpec
 from synthetic_ctr.generate import generate_dataset
@@ -52,15 +51,12 @@ def median_by_role(pairs: list[dict[str, float]]) -> dict[str, float]:
     return {r: statistics.median(p[r] for p in pairs if r in p) for r in roles}
 
 
-def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
-            nn_threads: int, batch_size: int, results_dir: Path, log=print) -> dict[str, Any]:
-    reason = launcher_unavailable_reason()
-    if reason:
-        raise SystemExit(f"cannot measure our system: {reason}")
-    launcher = find_launcher()
-    profile = PROFILES["full"]
-    data_dir = results_dir / "data" / profile.name
-    generate_dataset(data_dir, profile.data)
+def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: int, pairs: int, logs_dir: Path,
+                  system: str = "persia-hybrid", staleness: int | None = 2, nn_threads: int = 2,
+                  batch_size: int = 256, log=print) -> dict[str, Any]:
+    """``pairs`` (small, large) runs of our system; per pair the marginal CPU per sample by role."""
+    from bench.e2e_bench import command_for, execute  # late: e2e_bench reports through this module
+
     runs = []
     for i in range(pairs):
         got = {}
@@ -69,20 +65,35 @@ def measure(system: str, staleness: int | None, small_rows: int, large_rows: int
                            train_rows=rows, test_rows=2_000, eval_points=1, curve_eval_rows=1_000,
                            staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads)
             argv, env = command_for(spec, launcher)
-            rec = execute(argv, env, spec.timeout_s, results_dir / "logs" / f"path-cpu-{i}-{rows}.log")
+            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-{i}-{rows}.log")
             if rec["status"] != "ok":
-                raise SystemExit(f"run of {rows} rows failed: {rec.get('reason')}")
+                raise RuntimeError(f"path CPU run of {rows} rows failed: {rec.get('reason')}")
             got[rows] = rec
         per = marginal_us_per_sample(got[small_rows]["memory"], got[large_rows]["memory"], large_rows - small_rows)
         load = max(r[k] for r in got.values() for k in ("loadavg_start", "loadavg_end"))
         runs.append({"us_per_sample": per, "load": load,
                      "samples_per_sec": got[large_rows]["result"].get("samples_per_sec")})
-        log(f"pair {i + 1}/{pairs} (load {load:.1f}): " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+        log(f"path CPU pair {i + 1}/{pairs} (load {load:.1f}): " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+    label = f"{system} st={staleness}" if system == "persia-hybrid" else system
     return {
-        "system": system, "staleness": staleness, "batch_size": batch_size, "nn_threads": nn_threads,
+        "configuration": f"{label} ps=1 ew=1 nn-threads={nn_threads}", "batch_size": batch_size,
         "rows": [small_rows, large_rows], "pairs": runs,
         "median_us_per_sample": median_by_role([r["us_per_sample"] for r in runs]),
     }
+
+
+def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
+            nn_threads: int, batch_size: int, results_dir: Path, log=print) -> dict[str, Any]:
+    from bench.e2e_bench import PROFILES
+
+    reason = launcher_unavailable_reason()
+    if reason:
+        raise SystemExit(f"cannot measure our system: {reason}")
+    profile = PROFILES["full"]
+    data_dir = results_dir / "data" / profile.name
+    generate_dataset(data_dir, profile.data)
+    return measure_pairs(find_launcher(), data_dir, small_rows, large_rows, pairs, results_dir / "logs",
+                         system, staleness, nn_threads, batch_size, log)
 
 
 def main(argv: list[str] | None = None) -> int:

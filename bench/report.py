@@ -228,6 +228,7 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
     )
     w(f"![test AUC over training]({IMG_AUC})\n")
 
+    w(render_path_cpu(doc.get("path_cpu") or {}))
     w("### CPU time per role\n")
     w(
         "CPU seconds (user + system, all threads) per process role, median over a configuration's runs, "
@@ -386,6 +387,30 @@ def plot_all(summary: list[dict[str, Any]], doc: dict[str, Any], docs_dir: Path)
     return written
 
 
+def render_path_cpu(pc: dict[str, Any]) -> str:
+    """The marginal CPU per training sample by role (bench/path_cpu.py)."""
+    out = ["### CPU per training sample, by role\n"]
+    if pc.get("status") != "ok":
+        out.append(f"Not measured: {pc.get('reason', 'no measurement in this run')}.\n")
+        return "\n".join(out)
+    small, large = pc["rows"]
+    out.append(
+        f"`{pc['configuration']}`, batch {pc['batch_size']}: per role, the CPU seconds of a {large:,}-row run minus "
+        f"those of a {small:,}-row run, divided by the {large - small:,} extra rows (start-up, discovery and "
+        f"evaluation cancel); median of {len(pc['pairs'])} pair(s). The **embedding path** is data loader + "
+        "embedding worker + PS + nats-server: what the disaggregated embedding costs beside the NN worker "
+        "(target <= 20 µs).\n")
+    roles = ["data-loader", "embedding-worker", "ps", "nats", "embedding_path", "nn-worker", "all_roles"]
+    med = pc["median_us_per_sample"]
+    out.append("| " + " | ".join(["µs CPU per sample"] + [r.replace("_", " ") for r in roles] + ["load"]) + " |")
+    out.append("|" + "---|" * (len(roles) + 2))
+    for i, pair in enumerate(pc["pairs"]):
+        row = [f"pair {i + 1}"] + [_f(pair["us_per_sample"].get(r), ".1f") for r in roles] + [_f(pair["load"], ".1f")]
+        out.append("| " + " | ".join(row) + " |")
+    out.append("| " + " | ".join(["**median**"] + [f"**{_f(med.get(r), '.1f')}**" for r in roles] + [""]) + " |")
+    return "\n".join(out) + "\n"
+
+
 def render_latency(doc: dict[str, Any], summary: list[dict[str, Any]], hybrid_name: str, sync_name: str) -> str:
     """The latency benchmark's section (empty when the profile has none)."""
     lat = doc["profile"].get("latency")
@@ -427,7 +452,8 @@ def render_latency(doc: dict[str, Any], summary: list[dict[str, Any]], hybrid_na
 def write_report(doc: dict[str, Any], docs_dir: Path | None = DOCS_DIR, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     """e2e.json, and (unless ``docs_dir`` is None) the generated block of benchmarks.md and the plots."""
     summary = summarize(doc["runs"])
-    head = headline(summary, doc.get("adult_income"), *headline_labels(doc), default=default_label(doc))
+    head = headline(summary, doc.get("adult_income"), *headline_labels(doc), default=default_label(doc),
+                    path_cpu=doc.get("path_cpu"))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "e2e.json").write_text(json.dumps(head, indent=2, sort_keys=False) + "\n")
     if docs_dir is None:

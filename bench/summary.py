@@ -34,6 +34,7 @@ TARGETS = {
     "latency_hybrid_over_sync_2ms": (">=", 1.8, "hybrid / sync samples/s at 2 ms one-way delay"),
     "abs_latency_auc_gap_2ms": ("<=", 0.001, "|AUC(hybrid) - AUC(sync)| at 2 ms one-way delay"),
     "adult_auc": (">=", 0.90, "adult-income test AUC (PERSIA published 0.8928)"),
+    "embedding_path_us_per_sample": ("<=", 20.0, "CPU µs per training sample of data loader + embedding worker + PS + NATS"),
 }
 LATENCY_TORCH = "latency_torch"  # the group of the latency benchmark's (undelayed) torch runs
 PERSIA_ADULT_AUC = 0.8928
@@ -209,9 +210,10 @@ def _missing(deps: list[tuple[str, dict[str, Any] | None, str]]) -> str:
 
 def headline(
     summary: list[dict[str, Any]], adult: dict[str, Any] | None, hybrid: str = HYBRID, sync: str = SYNC,
-    default: str | None = None,
+    default: str | None = None, path_cpu: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The figures for bench/results/e2e.json; every null has its reason under ``notes``.
+    ``path_cpu``: bench/path_cpu.py's measurement (``embedding_path_us_per_sample``).
     ``hybrid`` / ``sync`` label the headline hybrid configuration and its synchronous reference;
     ``default`` (None: ``hybrid``) the setting a PERSIA user gets, whose AUC gap the targets bound
     (``auc_gap_hybrid_sync``, ``auc_gap_30steps``)."""
@@ -269,6 +271,12 @@ def headline(
                 notes[key] = adult.get("reason") or f"{NOT_MEASURED}: adult-income did not run"
             else:
                 notes[key] = _missing(deps)
+    path_cpu = path_cpu or {"status": "skipped", "reason": f"{NOT_MEASURED}: no path CPU measurement"}
+    per_role = path_cpu.get("median_us_per_sample") if path_cpu.get("status") == "ok" else None
+    h["embedding_path_us_per_sample"] = per_role.get("embedding_path") if per_role else None
+    h["embedding_path_configuration"] = path_cpu.get("configuration")
+    if per_role is None:
+        notes["embedding_path_us_per_sample"] = path_cpu.get("reason") or NOT_MEASURED
     h["targets"] = check_targets(h)
     h["notes"] = notes
     return h

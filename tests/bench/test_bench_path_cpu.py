@@ -27,3 +27,32 @@ def test_a_role_missing_from_one_run_is_an_error_not_a_smaller_sum():
 
 def test_median_over_pairs_per_role():
     assert median_by_role([{"ps": 1.0}, {"ps": 3.0}, {"ps": 2.0, "nats": 1.0}]) == {"nats": 1.0, "ps": 2.0}
+
+
+def _measured(embedding_path: float) -> dict:
+    per = {"data-loader": 4.0, "embedding-worker": 9.0, "ps": 5.0, "nats": 2.0, "nn-worker": 50.0,
+           "embedding_path": embedding_path, "all_roles": 70.0}
+    return {"status": "ok", "configuration": "persia-hybrid st=2 ps=1 ew=1 nn-threads=2", "batch_size": 256,
+            "rows": [40_000, 160_000], "pairs": [{"us_per_sample": per, "load": 2.1, "samples_per_sec": 1.0}],
+            "median_us_per_sample": per}
+
+
+def test_headline_carries_the_embedding_path_figure_and_its_target():
+    from bench.summary import headline
+
+    h = headline([], None, path_cpu=_measured(18.5))
+    assert h["embedding_path_us_per_sample"] == 18.5
+    assert h["targets"]["embedding_path_us_per_sample"]["passed"] is True
+    assert headline([], None, path_cpu=_measured(21.0))["targets"]["embedding_path_us_per_sample"]["passed"] is False
+    missing = headline([], None, path_cpu={"status": "failed", "reason": "path CPU run of 40000 rows failed: x"})
+    assert missing["embedding_path_us_per_sample"] is None
+    assert "40000 rows failed" in missing["notes"]["embedding_path_us_per_sample"]
+
+
+def test_report_shows_each_pair_and_the_median():
+    from bench.report import render_path_cpu
+
+    text = render_path_cpu(_measured(20.0))
+    assert "| pair 1 | 4.0 | 9.0 | 5.0 | 2.0 | 20.0 | 50.0 | 70.0 | 2.1 |" in text
+    assert "**20.0**" in text and "120,000 extra rows" in text
+    assert "Not measured: not part of this profile" in render_path_cpu({"status": "skipped", "reason": "not part of this profile"})
