@@ -102,7 +102,10 @@ def launcher_argv(
 def synthetic_command(spec: RunSpec, launcher: str) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one run of our system on the synthetic CTR data."""
     argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads)
-    return argv, child_env(example_settings(spec).to_env())
+    env = example_settings(spec).to_env()
+    if spec.staleness_warmup_steps is not None:
+        env["PERSIA_STALENESS_WARMUP_STEPS"] = str(spec.staleness_warmup_steps)
+    return argv, child_env(env)
 
 
 def adult_income_command(launcher: str) -> tuple[list[str], dict[str, str]] | str:

@@ -430,7 +430,10 @@ def render_latency(doc: dict[str, Any], summary: list[dict[str, Any]], hybrid_na
         f"*vs own 0 ms* isolates the delay. {lat['train_rows']:,} training rows ({steps} steps of batch "
         f"{doc['profile']['batch_size']}), {lat['test_rows']:,} test rows, seeds interleaved; torch runs "
         f"without a network, once per seed, and is shown at every delay. *proxy CPU s*: the proxies' process "
-        f"(not part of our system, but on the same 2 cores).\n"
+        f"(not part of our system, but on the same 2 cores). "
+        + ("The hybrid runs here skip the staleness warm-up (`PERSIA_STALENESS_WARMUP_STEPS=0`): they measure how "
+           "well hybrid training hides latency, which the warm-up's synchronous first steps would hide in a run "
+           "this short.\n" if lat.get("hybrid_warmup_steps") == 0 else "\n")
     )
     if not rows:
         w("Not measured in this run.\n")

@@ -42,6 +42,8 @@ class RunSpec(BaseModel):
     # our system only
     staleness: int | None = Field(default=None, ge=1)
     nn_threads: int | None = Field(default=None, ge=1)  # torch threads per NN worker; None: the launcher's budget
+    # persia-hybrid: PERSIA_STALENESS_WARMUP_STEPS for the run (None: the runtime's default ramp)
+    staleness_warmup_steps: int | None = Field(default=None, ge=0)
     num_ps: int = Field(default=1, ge=1)
     num_embedding_workers: int = Field(default=1, ge=1)
     timeout_s: float = Field(default=600.0, gt=0)

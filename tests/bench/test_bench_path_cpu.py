@@ -56,3 +56,17 @@ def test_report_shows_each_pair_and_the_median():
     assert "| pair 1 | 4.0 | 9.0 | 5.0 | 2.0 | 20.0 | 50.0 | 70.0 | 2.1 |" in text
     assert "**20.0**" in text and "120,000 extra rows" in text
     assert "Not measured: not part of this profile" in render_path_cpu({"status": "skipped", "reason": "not part of this profile"})
+
+
+def test_latency_hybrid_runs_skip_the_warm_up_and_the_launcher_env_says_so():
+    from bench.e2e_bench import PROFILES, plan
+    from bench.persia_local import synthetic_command
+
+    planned = [p for p in plan(PROFILES["full"], "/data", parts=frozenset({"latency"}))]
+    hybrid = [p.spec for p in planned if p.spec.system == "persia-hybrid"]
+    assert hybrid and all(s.staleness_warmup_steps == 0 for s in hybrid)
+    assert all(p.spec.staleness_warmup_steps is None for p in planned if p.spec.system == "persia-sync")
+    _, env = synthetic_command(hybrid[0], "persia-launcher")
+    assert env["PERSIA_STALENESS_WARMUP_STEPS"] == "0"
+    models = [p.spec for p in plan(PROFILES["full"], "/data", parts=frozenset({"models"}))]
+    assert all(s.staleness_warmup_steps is None for s in models)  # the model groups keep the default ramp
