@@ -292,18 +292,27 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             self._permits.release()
         self._backward_slots.release()
 
-    def _update_now(self, update: PendingUpdate, passes_permit: bool = False, fut: Future | None = None) -> None:
-        """Send one update on its own (blocking) and account for it."""
+    def _call_applying(self, worker: int, method: str, request: dict, updates: list[PendingUpdate],
+                       passes: PendingUpdate | None = None, fut: Future | None = None) -> dict:
+        """``method`` on embedding worker ``worker``, which applies ``updates``: their future and
+        permits follow the call (``passes``: the update whose permit goes on to a new lookup)."""
         fut = fut or self._track()
         try:
-            self._worker_clients()[update.worker].call("Update", update.message())
+            resp = self._stream_clients()[worker].call(method, request)
         except BaseException as exc:
             fut.set_exception(exc)
             raise
         else:
             fut.set_result(None)
         finally:
-            self._applied(update, passes_permit)
+            for u in updates:
+                self._applied(u, passes_permit=u is passes)
+        return resp
+
+    def _update_now(self, update: PendingUpdate, passes_permit: bool = False, fut: Future | None = None) -> None:
+        """Send one update on its own (blocking) and account for it."""
+        self._call_applying(update.worker, "Update", update.message(), [update],
+                            passes=update if passes_permit else None, fut=fut)
 
     def _send_alone(self, update: PendingUpdate) -> None:
         """The outbox's flusher: an update no lookup carried in time goes on its own."""
@@ -336,19 +345,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if not carried:
             return super()._lookup_call(worker, msg)
         carried.sort(key=lambda u: u.queued_at)
-        fut = self._track()
-        try:
-            resp = self._stream_clients()[worker].call(
-                "Step", {"ref": int(msg["ref"]), "train": True, "updates": [u.message() for u in carried]})
-        except BaseException as exc:
-            fut.set_exception(exc)
-            raise
-        else:
-            fut.set_result(None)
-        finally:
-            for u in carried:
-                self._applied(u, passes_permit=u is transferred)
-        return resp
+        request = {"ref": int(msg["ref"]), "train": True, "updates": [u.message() for u in carried]}
+        return self._call_applying(worker, "Step", request, carried, passes=transferred)
 
     def _update_done(self, fut: Future) -> None:
         with self._pending_lock:
