@@ -134,6 +134,10 @@ class PeriodicCheckpointing:
         self._in_backward = False
         self._final_done = False
         self._old_sigterm = None
+        self._sigterm_at: float | None = None  # set by the handler: a plain store, no lock
+        self._sigterm_said = False
+        self._grace = 0.0
+        self._watchdog_off = False
 
     @property
     def _ckpt_dir(self) -> Path | None:
@@ -203,6 +207,8 @@ class PeriodicCheckpointing:
             flags = torch.tensor([0 if due else 1, 0 if stop else 1], dtype=torch.int32)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=self._control_group)
             due, stop = flags[0].item() == 0, flags[1].item() == 0
+        if stop:
+            self._say_sigterm()
         if (due or stop) and self._ckpt_dir is not None:
             self.save_checkpoint()
         if stop:
@@ -286,29 +292,53 @@ class PeriodicCheckpointing:
         and the handler never blocks."""
         if threading.current_thread() is not threading.main_thread():
             return
-        grace = grace_period_s()
+        grace = self._grace = grace_period_s()
 
         def on_sigterm(signum, _frame):
+            # Only plain stores and a raise here: logging or starting a thread takes locks the
+            # interrupted main thread may hold (Thread.start's limbo lock, a handler's lock).
             if self._stop_requested:
                 raise GracefulStop()
             self._stop_requested = True
-            log.warning("SIGTERM: stopping after the current step (grace period %.0fs)", grace)
-            watchdog = threading.Timer(max(1.0, grace - 1.0), _out_of_time, args=(grace,))
-            watchdog.daemon = True
-            watchdog.start()
+            self._sigterm_at = time.monotonic()
             if not self._in_step:
                 raise GracefulStop()
 
         self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        self._watchdog_off = False
+        threading.Thread(target=self._sigterm_watchdog, args=(grace,), name="persia-sigterm-watchdog",
+                         daemon=True).start()
+
+    def _sigterm_watchdog(self, grace: float, poll_s: float = 0.2) -> None:
+        """Says that SIGTERM arrived and ends the process at the grace period whatever happens;
+        polls what the handler stored (the handler itself never blocks)."""
+        while True:
+            at = self._sigterm_at
+            if at is None:
+                if self._watchdog_off:
+                    return
+            else:
+                self._say_sigterm()
+                if time.monotonic() - at >= max(1.0, grace - 1.0):
+                    _out_of_time(grace)
+            time.sleep(poll_s)
+
+    def _say_sigterm(self) -> None:
+        """The one warning that SIGTERM is being honoured (main thread or watchdog, first wins)."""
+        if not self._sigterm_said:
+            self._sigterm_said = True
+            log.warning("SIGTERM: stopping after the current step (grace period %.0fs)", self._grace)
 
     def _restore_sigterm(self) -> None:
         if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._old_sigterm)
             self._old_sigterm = None
+        self._watchdog_off = True  # ends the watchdog unless a SIGTERM is being honoured
 
     def _stop_between_steps(self) -> None:
         """SIGTERM arrived between steps (every update of a trained step is flushed by the caller):
         the final checkpoint, on one rank only (several ranks cannot agree outside a step)."""
+        self._say_sigterm()
         if self._final_done or self._ckpt_dir is None:
             return
         self._final_done = True
