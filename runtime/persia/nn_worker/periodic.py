@@ -130,7 +130,6 @@ class PeriodicCheckpointing:
         self._resume_info: dict | None = None
         self._last_ckpt_step = 0
         self._last_ckpt_time = time.monotonic()
-        self._stop_requested = False
         self._in_backward = False
         self._final_done = False
         self._old_sigterm = None
@@ -202,7 +201,7 @@ class PeriodicCheckpointing:
         (agreed by every rank, so they checkpoint and stop at the same step)."""
         s = self.checkpoint_settings
         due = plan.is_due(s, self.step, self._last_ckpt_step, time.monotonic() - self._last_ckpt_time)
-        stop = self._stop_requested
+        stop = self._sigterm_at is not None  # SIGTERM arrived
         if self.world_size > 1 and self._control_group is not None:
             flags = torch.tensor([0 if due else 1, 0 if stop else 1], dtype=torch.int32)
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=self._control_group)
@@ -297,9 +296,8 @@ class PeriodicCheckpointing:
         def on_sigterm(signum, _frame):
             # Only plain stores and a raise here: logging or starting a thread takes locks the
             # interrupted main thread may hold (Thread.start's limbo lock, a handler's lock).
-            if self._stop_requested:
+            if self._sigterm_at is not None:
                 raise GracefulStop()
-            self._stop_requested = True
             self._sigterm_at = time.monotonic()
             if not self._in_step:
                 raise GracefulStop()
