@@ -1,5 +1,6 @@
 """CPU per batch of the embedding path's in-process stages (issue 15 item 3), on real batches of
-the synthetic CTR data: what the embedding worker does per batch apart from its RPCs (prepare,
+the synthetic CTR data: what the embedding worker does per batch apart from its RPCs (decoding and
+checking the data loader's packed IDs, prepare,
 reply, gradient checks and split by PS replica, the codec both ways) and what the NN worker does
 for the embedding part (tensors from the reply, backward through them, gradient copies).
 
@@ -25,18 +26,24 @@ from persia.config import load_embedding_config
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.service import slot_specs
 from persia.nn_worker import embedding_tensors
+from persia import messages as M
+from persia.messages import validate
+from persia.wire import ids
 from persia.wire.codec import decode, encode
 
-STAGES = ["ew_prepare", "ew_reply", "ew_encode_reply", "nn_decode_reply", "nn_tensors", "nn_backward",
+STAGES = ["ew_decode_check_ids", "ew_prepare", "ew_reply", "ew_encode_reply", "nn_decode_reply", "nn_tensors", "nn_backward",
           "nn_copy_grads", "nn_encode_update", "ew_decode_update", "ew_check_grads", "ew_split_encode_ps"]
 
 
-def load_batches(data_dir: str, batch: int, count: int, names: list[str]) -> list[list[dict]]:
+def load_batches(data_dir: str, batch: int, count: int, names: list[str]) -> list[bytes]:
+    """Each batch's ID features as the data loader sends them (one packed record, one ID per
+    sample per slot), encoded."""
     ensure_example_importable()
     from synthetic_ctr.reader import read_chunks
 
-    offsets = np.arange(batch + 1, dtype=np.int64)
-    return [[{"name": n, "values": np.ascontiguousarray(b.ids[:, s]), "offsets": offsets} for s, n in enumerate(names)]
+    return [encode({"batch_size": batch, "features": ids.pack(names, [np.ascontiguousarray(b.ids[:, s])
+                                                                       for s in range(len(names))],
+                                                               [None] * len(names), batch)})
             for b in read_chunks(data_dir, batch, max_rows=batch * count, drop_last=True)]
 
 
@@ -45,12 +52,17 @@ def one_pass(batches, slots, prefix_bit, weights) -> tuple[dict[str, float], dic
     size = {"reply_kb": 0.0, "update_kb": 0.0}
     rng = np.random.default_rng(0)
     stand_in_rows = []  # what the PS would answer (not a stage of ours), drawn before the clock runs
-    for feats in batches:
-        tables = pipeline.prepare(feats, len(feats[0]["offsets"]) - 1, slots, prefix_bit, checked=True).tables
+    for fwd in batches:
+        req = decode(fwd)
+        tables = pipeline.prepare(req["features"], req["batch_size"], slots, prefix_bit).tables
         stand_in_rows.append({d: rng.standard_normal((s.size, d)).astype(np.float32) for d, s in tables.items()})
-    for n, feats in enumerate(batches):
+    for n, fwd in enumerate(batches):
         clock = [time.thread_time()]
-        prepared = pipeline.prepare(feats, len(feats[0]["offsets"]) - 1, slots, prefix_bit, checked=True)
+        req = decode(fwd)  # the data loader's message: codec, schema, checks (on_forward)
+        validate(M.Forward, req, "ew.forward")
+        pipeline.validate_features(req["features"], req["batch_size"], slots)
+        clock.append(time.thread_time())
+        prepared = pipeline.prepare(req["features"], req["batch_size"], slots, prefix_bit, checked=True)
         rows = stand_in_rows[n]
         clock.append(time.thread_time())
         reply = pipeline.lookup_reply(prepared, rows)

@@ -66,10 +66,14 @@ class NoPayload(_Msg):
 
 
 # -- NATS: data loader -> embedding worker / NN worker ---------------------------------------------
-class IdFeature(_Msg):
-    name: Name
+class IdFeatures(_Msg):
+    """A batch's ID features packed (``persia.wire.ids``): names, which have one ID per sample,
+    every ID in one array, the others' CSR offsets in one ``(n, batch_size + 1)`` array."""
+
+    names: Annotated[list[Name], Field(max_length=MAX_ITEMS)]
+    single: Annotated[Any, _array("b", 1)]
     values: IdArray
-    offsets: IndexArray
+    offsets: Annotated[Any, _array("iu", 2)]
 
 
 class Forward(_Msg):
@@ -80,7 +84,7 @@ class Forward(_Msg):
     batch_id: Index | None = None
     batch_size: BatchSize
     requires_grad: bool = True
-    features: Annotated[list[IdFeature], Field(max_length=MAX_ITEMS)]
+    features: IdFeatures
 
 
 class NamedArray(_Msg):
@@ -205,7 +209,7 @@ class WorkerLookup(_Msg):
 
 class WorkerLookupDirect(_Msg):
     batch_size: BatchSize
-    features: Annotated[list[IdFeature], Field(max_length=MAX_ITEMS)]
+    features: IdFeatures
 
 
 class WorkerUpdate(_Msg):

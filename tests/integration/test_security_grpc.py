@@ -10,6 +10,7 @@ import pytest
 
 from persia import rpc
 from persia import messages as M
+from persia.wire import ids
 from persia.errors import RemoteError
 from persia.security import GrpcTls
 
@@ -84,8 +85,8 @@ def test_ps_and_worker_under_mutual_tls_from_env(certs, persia_env, monkeypatch)
     with cluster(1, 1) as (ps, ew):
         ps.configure({})
         # the embedding worker reached the PS over mutual TLS (it presented the server pair as its client certificate)
-        req = {"batch_size": 2, "features": [{"name": "user", "values": np.array([1, 2], np.uint64),
-                                              "offsets": np.array([0, 1, 2], np.int64)}]}
+        req = {"batch_size": 2, "features": ids.pack_csr([{"name": "user", "values": np.array([1, 2], np.uint64),
+                                                           "offsets": np.array([0, 1, 2], np.int64)}], 2)}
         client = rpc.Client(f"127.0.0.1:{ew.port}", "persia.EmbeddingWorker")
         try:
             out = client.call("LookupDirect", req, timeout=10)
@@ -100,9 +101,15 @@ def test_ps_and_worker_under_mutual_tls_from_env(certs, persia_env, monkeypatch)
 
 
 @pytest.mark.parametrize("method, request_", [
-    ("LookupDirect", {"batch_size": 10**12, "features": []}),
-    ("LookupDirect", {"batch_size": 4, "features": [{"name": "user", "values": np.zeros(2, np.float64),
-                                                     "offsets": np.array([0, 1, 2, 2, 2])}]}),
+    ("LookupDirect", {"batch_size": 10**12, "features": ids.pack(["user"], [np.arange(4, dtype=np.uint64)], [None], 4)}),
+    ("LookupDirect", {"batch_size": 4, "features": {"names": ["user"], "single": np.array([False]),
+                                                    "values": np.zeros(2, np.float64),
+                                                    "offsets": np.array([[0, 1, 2, 2, 2]])}}),
+    ("LookupDirect", {"batch_size": 4, "features": {"names": ["user"], "single": np.array([False]),
+                                                    "values": np.zeros(2, np.uint64),
+                                                    "offsets": np.array([[0, 2, 1, 2, 2]])}}),
+    ("LookupDirect", {"batch_size": 4, "features": [{"name": "user", "values": np.zeros(4, np.uint64),
+                                                     "offsets": np.array([0, 1, 2, 3, 4])}]}),  # the old form
     ("Lookup", {"ref": -1}),
     ("Lookup", {}),
     ("Update", {"ref": 1, "grads": "x"}),

@@ -208,14 +208,67 @@ def test_unused_slot_rows_get_no_update_unless_shared():
 
 
 def test_unknown_slot_and_bad_csr_are_rejected_with_names():
-    slots = {"a": spec("a", 4, 0)}
+    slots = {"a": spec("a", 4, 0), "b": spec("b", 4, 0)}
     v, o = csr([[1]])
     with pytest.raises(UnknownSlotError, match="unknown slot 'nope': not in embedding_config.yml slots_config"):
         pipeline.validate_features([{"name": "nope", "values": v, "offsets": o}], 1, slots)
-    with pytest.raises(ValueError, match="expected dtype uint64, got int64"):
+    with pytest.raises(ValueError, match="ID feature 'a': values must be 1-D uint64, got dtype int64"):
         pipeline.validate_features([{"name": "a", "values": v.astype(np.int64), "offsets": o}], 1, slots)
-    with pytest.raises(ValueError, match="expected batch size 2, got 1"):
+    with pytest.raises(ValueError, match=r"ID feature 'a': offsets must be integers of shape \(3,\) "
+                                         r"\(batch size 2\), got dtype int64 shape \(2,\)"):
         pipeline.validate_features([{"name": "a", "values": v, "offsets": o}], 2, slots)
+    with pytest.raises(ValueError, match="ID feature 'a' appears twice"):
+        pipeline.validate_features([{"name": "a", "values": v, "offsets": o}] * 2, 1, slots)
+
+
+def packed(**change):
+    """A valid packed record of three features (a: two samples' CSR, s: single-ID, b: CSR), batch 2,
+    with ``change`` applied."""
+    rec = {"names": ["a", "s", "b"], "single": np.array([False, True, False]),
+           "values": np.arange(1, 8, dtype=np.uint64),  # a: [1], [2, 3]; s: 4, 5; b: [], [6, 7]
+           "offsets": np.array([[0, 1, 3], [0, 0, 2]], dtype=np.int64)}
+    rec.update(change)
+    return rec
+
+
+def test_packed_features_unpack_to_each_features_ids_without_copies():
+    slots = {n: spec(n, 4, 0) for n in "asb"}
+    rec = packed()
+    got = pipeline.validate_features(rec, 2, slots)
+    a, s, b = (got.feature(i) for i in range(3))
+    assert a[0].tolist() == [1, 2, 3] and a[1].tolist() == [0, 1, 3]
+    assert s[0].tolist() == [4, 5] and s[1] is None
+    assert b[0].tolist() == [6, 7] and b[1].tolist() == [0, 0, 2]
+    assert np.shares_memory(b[0], rec["values"])
+    assert pipeline.num_ids(rec) == 7
+    # the per-feature form and the packed record give the same lookup
+    per_feature = [{"name": "a", "values": a[0], "offsets": a[1]},
+                   {"name": "s", "values": s[0], "offsets": np.arange(3)},
+                   {"name": "b", "values": b[0], "offsets": b[1]}]
+    one, two = pipeline.prepare(rec, 2, slots, PREFIX_BIT), pipeline.prepare(per_feature, 2, slots, PREFIX_BIT)
+    assert [t.tolist() for t in one.tables.values()] == [t.tolist() for t in two.tables.values()]
+    assert [x.one_per_sample for x in one.slots] == [x.one_per_sample for x in two.slots] == [False, True, False]
+    assert all((x.table_inverse == y.table_inverse).all() for x, y in zip(one.slots, two.slots))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"single": np.array([False, True])}, r"field 'single': expected a bool array of shape \(3,\)"),
+    ({"single": np.array([0, 1, 0], np.uint8)}, "field 'single': expected a bool array"),
+    ({"values": np.arange(7, dtype=np.int64)}, "field 'values': expected 1-D uint64 IDs, got dtype int64"),
+    ({"values": np.arange(6, dtype=np.uint64)}, "features' sizes add up to 7 IDs .* but 6 IDs were sent"),
+    ({"offsets": np.array([[0, 1, 3]])}, r"field 'offsets': expected integers of shape \(2, 3\)"),
+    ({"offsets": np.array([[0, 1, 3], [1, 1, 2]])}, "ID feature 'b': offsets must start at 0, got 1"),
+    ({"offsets": np.array([[0, 3, 1], [0, 0, 2]])},
+     r"ID feature 'a': offsets must be non-decreasing, but offsets\[2\] = 1 < offsets\[1\] = 3"),
+    ({"offsets": np.array([[0, 1, 3], [0, 0, 2**62]])}, "ID feature 'b': offsets end at 4611686018427387904, past"),
+    ({"offsets": np.array([[0, 1, 3], [0, 0, 2**63]], dtype=np.uint64)}, "overflow int64"),
+])
+def test_malformed_packed_features_are_refused_naming_field_feature_and_value(change, message):
+    slots = {n: spec(n, 4, 0) for n in "asb"}
+    with pytest.raises(ValueError, match=message):
+        pipeline.validate_features(packed(**change), 2, slots)
+    with pytest.raises(ValueError, match=message):  # a direct lookup checks the same way
+        pipeline.prepare(packed(**change), 2, slots, PREFIX_BIT)
 
 
 def test_malformed_gradients_are_refused_naming_field_and_value():

@@ -116,6 +116,27 @@ def test_schemas_name_the_field():
         M.validate(M.CheckpointDir, {"dir": "/x", "more": 1})
     ok = {"loader": 0, "loader_size": 1, "sent": 3, "failed": None}
     assert M.validate(M.EndOfStream, ok) is ok
+
+
+def test_packed_id_features_schema_names_the_field():
+    """A data loader's Forward carries the batch's ID features packed (persia.wire.ids); the schema
+    refuses other kinds and ranks of its arrays and a list of names past the limit."""
+    good = {"names": ["a", "b"], "single": np.array([True, False]), "values": np.zeros(5, np.uint64),
+            "offsets": np.array([[0, 1, 3]])}
+    msg = {"batch_size": 2, "features": good}
+    assert M.validate(M.Forward, msg) is msg
+    for field, bad, expect in [
+        ("values", np.zeros(5, np.float32), "features.values.*kind 'u'"),
+        ("values", np.zeros((5, 1), np.uint64), "features.values.*1-D"),
+        ("offsets", np.zeros(3, np.int64), "features.offsets.*2-D"),
+        ("single", np.array([1, 0]), "features.single.*kind 'b'"),
+        ("names", ["a", ""], "features.names.1"),
+        ("names", [f"n{i}" for i in range(M.MAX_ITEMS + 1)], "features.names"),
+    ]:
+        with pytest.raises(M.MessageError, match=expect):
+            M.validate(M.Forward, {"batch_size": 2, "features": dict(good, **{field: bad})}, "ew.forward")
+    with pytest.raises(M.MessageError, match="features.*Extra inputs"):
+        M.validate(M.Forward, {"batch_size": 2, "features": dict(good, extra=1)}, "ew.forward")
     assert M.validate(M.NoPayload, None) is None
 
 

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from persia.data_loader.batch import PersiaBatch
+from persia.data_loader.batch import IDTypeFeatureWithSingleID, PersiaBatch
+from persia.wire import ids
 
 
-def id_features_to_wire(batch: PersiaBatch) -> list[dict]:
-    out = []
+def id_features_to_wire(batch: PersiaBatch) -> dict:
+    """All of the batch's ID features as one packed record (:mod:`persia.wire.ids`): one IDs
+    array for all, offsets only for features that may hold other than one ID per sample."""
+    values, offsets = [], []
     for f in batch.id_type_features:
-        values, offsets = f.to_csr()
-        out.append({"name": f.name, "values": values, "offsets": offsets})
-    return out
+        v, o = f.to_csr()
+        values.append(v)
+        offsets.append(None if isinstance(f, IDTypeFeatureWithSingleID) else o)
+    return ids.pack([f.name for f in batch.id_type_features], values, offsets, batch.batch_size)
 
 
 def _named_arrays(items) -> list[dict]:

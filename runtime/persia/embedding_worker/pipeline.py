@@ -16,6 +16,7 @@ import numpy as np
 
 from persia.config import UnknownSlotError
 from persia.hashing import add_index_prefix, hash_stack, shard_of
+from persia.wire import ids
 
 
 @dataclass(frozen=True)
@@ -55,88 +56,105 @@ class PreparedBatch:
         return int(sum(t.size for t in self.tables.values()))
 
 
-def _check_csr(name: str, values: np.ndarray, offsets: np.ndarray, batch_size: int) -> None:
-    if values.dtype != np.uint64:
-        raise ValueError(f"ID feature {name!r}: expected dtype uint64, got {values.dtype}")
-    if values.ndim != 1:
-        raise ValueError(f"ID feature {name!r}: expected 1-D values, got ndim {values.ndim}")
-    if offsets.shape != (batch_size + 1,):
-        raise ValueError(
-            f"ID feature {name!r}: expected batch size {batch_size}, got {offsets.shape[0] - 1}"
-        )
-    if offsets[0] != 0 or offsets[-1] != values.size or np.any(np.diff(offsets) < 0):
-        raise ValueError(f"ID feature {name!r}: malformed offsets (not a monotone CSR index)")
+def _packed(features: dict | list, batch_size: int) -> dict:
+    """The packed record (:mod:`persia.wire.ids`) of ``features``: as it came off the wire, or
+    packed from the per-feature form ``[{"name", "values", "offsets"}]`` (tests, tools)."""
+    return features if isinstance(features, dict) else ids.pack_csr(features, batch_size)
 
 
-def validate_features(features: list[dict], batch_size: int, slots: dict[str, "SlotSpec"]) -> None:
-    """Cheap checks done when a batch arrives, so a bad batch is rejected to its sender."""
+def num_ids(features: dict | list) -> int:
+    """IDs in a batch's features (either form), for the lookup metrics."""
+    if isinstance(features, dict):
+        return int(features["values"].size)
+    return sum(int(np.asarray(f["values"]).size) for f in features)
+
+
+def validate_features(features: dict | list, batch_size: int, slots: dict[str, "SlotSpec"]) -> ids.PackedIds:
+    """Checks done when a batch arrives, so a bad batch is rejected to its sender: the packed
+    record's arrays (:func:`persia.wire.ids.unpack`), and that every name is a distinct slot."""
     if not 1 <= batch_size <= 65535:
         raise ValueError(f"batch_size must be in 1..65535, got {batch_size}")
+    packed = ids.unpack(_packed(features, batch_size), batch_size, check=True)
     seen = set()
-    for feat in features:
-        name = feat["name"]
+    for name in packed.names:
         if name in seen:
             raise ValueError(f"ID feature {name!r} appears twice in one batch")
         seen.add(name)
         if name not in slots:
             raise UnknownSlotError(name, list(slots))
-        _check_csr(name, np.asarray(feat["values"]), np.asarray(feat["offsets"]), batch_size)
+    return packed
 
 
 def prepare(
-    features: list[dict],
+    features: dict | list,
     batch_size: int,
     slots: dict[str, SlotSpec],
     prefix_bit: int,
     checked: bool = False,
 ) -> PreparedBatch:
-    """``features``: ``[{"name", "values": uint64[nnz], "offsets": int64[bs+1]}]`` from a data loader.
+    """``features``: the packed record of a batch's ID features (:mod:`persia.wire.ids`), or the
+    per-feature form ``[{"name", "values": uint64[nnz], "offsets": int64[bs+1]}]``.
 
-    ``checked``: the CSR arrays already passed :func:`validate_features` (when the batch arrived),
-    so they are not checked a second time on the lookup path.
+    ``checked``: the record already passed :func:`validate_features` (when the batch arrived),
+    so it is not checked a second time on the lookup path.
     """
-    per_slot: list[tuple[SlotSpec, np.ndarray, np.ndarray]] = []
-    for feat in features:
-        name = feat["name"]
+    packed = validate_features(features, batch_size, slots) if not checked else \
+        ids.unpack(_packed(features, batch_size), batch_size, check=False)
+    one_id_offsets = np.arange(batch_size + 1, dtype=np.int64)
+    specs = []
+    for name in packed.names:
         spec = slots.get(name)
         if spec is None:
             raise UnknownSlotError(name, list(slots))
-        values = np.asarray(feat["values"])
-        offsets = np.asarray(feat["offsets"]).astype(np.int64, copy=False)
-        if not checked:
-            _check_csr(name, values, offsets, batch_size)
-        if spec.hash_stack_rounds > 0:
-            values = hash_stack(values, spec.hash_stack_rounds, spec.hash_stack_embedding_size).ravel()
-            offsets = offsets * spec.hash_stack_rounds
-        per_slot.append((spec, values, offsets))
+        specs.append(spec)
 
     by_dim: dict[int, list[int]] = {}
-    for i, (spec, _, _) in enumerate(per_slot):
+    for i, spec in enumerate(specs):
         by_dim.setdefault(spec.dim, []).append(i)
 
     # Whole dims at once (one prefix, one unique, one "one ID per sample" test): per-slot numpy
-    # calls were most of this function's time (26 slots of 256 IDs: 0.66 ms per batch).
-    prepared: list[PreparedSlot | None] = [None] * len(per_slot)
+    # calls were most of this function's time (26 slots of 256 IDs: 0.66 ms per batch). A dim
+    # whose features lie side by side in the record (the usual case) reads its IDs as one view.
+    prepared: list[PreparedSlot | None] = [None] * len(specs)
     tables: dict[int, np.ndarray] = {}
-    one_id_offsets = np.arange(batch_size + 1, dtype=np.int64)
     for dim, idxs in by_dim.items():
-        sizes = [per_slot[i][1].size for i in idxs]
-        values = np.concatenate([per_slot[i][1] for i in idxs]) if idxs else np.empty(0, np.uint64)
-        prefixes = np.repeat(np.array([per_slot[i][0].index_prefix for i in idxs], dtype=np.uint64), sizes)
+        per_slot = []  # (values, offsets, one ID per sample)
+        for i in idxs:
+            spec = specs[i]
+            values, offsets = packed.feature(i)
+            one = offsets is None
+            if one:
+                offsets = one_id_offsets
+            if spec.hash_stack_rounds > 0:
+                values = hash_stack(values, spec.hash_stack_rounds, spec.hash_stack_embedding_size).ravel()
+                offsets = offsets * spec.hash_stack_rounds
+                one = False
+            per_slot.append((values, offsets, one))
+        sizes = [v.size for v, _, _ in per_slot]
+        contiguous = (idxs == list(range(idxs[0], idxs[-1] + 1))
+                      and not any(specs[i].hash_stack_rounds > 0 for i in idxs))
+        if contiguous:
+            start = int(packed.starts[idxs[0]])
+            values = packed.values[start : start + sum(sizes)]
+        else:
+            values = np.concatenate([v for v, _, _ in per_slot])
+        prefixes = np.repeat(np.array([specs[i].index_prefix for i in idxs], dtype=np.uint64), sizes)
         uniq, inverse = np.unique(add_index_prefix(values, prefixes, prefix_bit), return_inverse=True)
         inverse = inverse.astype(np.int32)  # what goes on the wire (tables stay far below 2**31 rows)
         tables[dim] = uniq
-        single = [k for k, i in enumerate(idxs) if sizes[k] == batch_size]
-        one = set()
-        if single:
-            same = (np.stack([per_slot[idxs[k]][2] for k in single]) == one_id_offsets).all(axis=1)
-            one = {k for k, ok in zip(single, same.tolist()) if ok}
+        maybe = [k for k, (_, _, one) in enumerate(per_slot) if not one and sizes[k] == batch_size]
+        if maybe:  # features sent with offsets that still hold one ID per sample
+            same = (np.stack([per_slot[k][1] for k in maybe]) == one_id_offsets).all(axis=1)
+            for k, ok in zip(maybe, same.tolist()):
+                if ok:
+                    per_slot[k] = (per_slot[k][0], per_slot[k][1], True)
         start = 0
         for k, i in enumerate(idxs):
-            spec, _, offsets = per_slot[i]
+            spec = specs[i]
+            _, offsets, one = per_slot[k]
             inv = inverse[start : start + sizes[k]]
             start += sizes[k]
-            slot = PreparedSlot(spec=spec, offsets=offsets, table_inverse=inv, one_per_sample=k in one)
+            slot = PreparedSlot(spec=spec, offsets=offsets, table_inverse=inv, one_per_sample=one)
             if not spec.embedding_summation:
                 slot.raw_rows, slot.raw_index, slot.raw_dropped = _raw_layout(inv, offsets, spec.sample_fixed_size)
             prepared[i] = slot

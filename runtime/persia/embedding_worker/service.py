@@ -207,7 +207,7 @@ class EmbeddingWorker:
             self.post_buffer.put(0, _Looked(prepared, positions), ref=ref)
             self.metrics.inc("staleness")
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
-        self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in batch["features"]))
+        self.metrics.inc("worker_lookup_ids", pipeline.num_ids(batch["features"]))
         self.metrics.observe("lookup_total_time_cost_sec", time.perf_counter() - t0)
 
     def lookup(self, req: dict) -> dict:
@@ -222,7 +222,7 @@ class EmbeddingWorker:
         t0 = time.perf_counter()
         prepared = pipeline.prepare(req["features"], int(req["batch_size"]), self.slots, self.prefix_bit)
         reply, _ = self._lookup_prepared(prepared, train=False)
-        self.metrics.inc("worker_lookup_ids", sum(int(f["values"].size) for f in req["features"]))
+        self.metrics.inc("worker_lookup_ids", pipeline.num_ids(req["features"]))
         self.metrics.observe("lookup_direct_time_cost_sec", time.perf_counter() - t0)
         return reply
 
