@@ -183,7 +183,22 @@ class NatsBus:
         """One request; raises BusyError, RemoteError, or nats' TimeoutError/NoRespondersError."""
         return self.run(self.arequest(subj, obj, timeout), timeout + 5.0)
 
-    def request_retry(
+    def request_retry(self, subj: str, obj: Any = None, **retry: Any) -> Any:
+        """Request with bounded exponential backoff on busy / no responder / timeout
+        (:meth:`arequest_retry`'s arguments). ``RemoteError`` (a real failure answered by the peer)
+        is never retried."""
+        return self.run(self.arequest_retry(subj, obj, **retry))
+
+    def request_retry_all(self, *calls: tuple[str, Any, dict]) -> list[Any]:
+        """``(subject, payload, retry arguments)`` requests in flight at once (one round trip for
+        all instead of one each); each one's reply or exception, in order, once all are done."""
+        async def all_of():
+            return await asyncio.gather(*(self.arequest_retry(s, o, **kw) for s, o, kw in calls),
+                                        return_exceptions=True)
+
+        return self.run(all_of())
+
+    async def arequest_retry(
         self,
         subj: str,
         obj: Any = None,
@@ -195,16 +210,12 @@ class NatsBus:
         max_backoff: float = 0.5,
         what: str | None = None,
     ) -> Any:
-        """Request with bounded exponential backoff on busy / no responder / timeout.
-
-        ``RemoteError`` (a real failure answered by the peer) is never retried.
-        """
         end = time.monotonic() + deadline_s
         backoff = first_backoff
         last: Exception | None = None
         while True:
             try:
-                return self.request(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
+                return await self.arequest(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
             except BusyError as exc:
                 if not retry_busy:
                     raise
@@ -220,7 +231,7 @@ class NatsBus:
                 raise BusyError(
                     f"{what or subj}: no successful reply within {deadline_s:.0f}s (last: {kind})"
                 ) from last
-            time.sleep(wait)
+            await asyncio.sleep(wait)
             backoff = min(max_backoff, backoff * 2)
 
     def _headers(self, subj: str, payload: bytes) -> dict[str, str] | None:

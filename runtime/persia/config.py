@@ -383,6 +383,9 @@ class CommonConfig(_Section):
 class EmbeddingWorkerConfig(_Section):
     forward_buffer_size: PositiveInt = 1000
     buffered_data_expired_sec: PositiveInt = 1000
+    # A data loader sends a batch's ID features and its dense part at once, so an NN worker's
+    # lookup may arrive first: it waits this long for them, then fails naming the batch.
+    lookup_wait_sec: Annotated[float, Field(gt=0, le=600)] = 10.0
 
 
 class EmbeddingParameterServerConfig(_Section):

@@ -38,3 +38,18 @@ class UnsupportedError(PersiaError, NotImplementedError):
 
 class ContextRequired(PersiaError, AssertionError):
     """Used outside the context it needs (PERSIA asserted ``cnt_ctx()``)."""
+
+
+class BatchLost(PersiaError, LookupError):
+    """A batch's ID features will never reach its embedding worker: its data loader gave up on
+    them, or they did not arrive within the lookup wait. The NN worker counts the batch as failed
+    and goes on (``persia.nn_worker.loader``)."""
+
+    grpc_status = "NOT_FOUND"
+
+
+class TooManyWaiting(PersiaError):
+    """An embedding worker already holds as many lookups waiting for their ID features as it
+    allows; answered before anything was done, so the caller may simply ask again."""
+
+    grpc_status = "RESOURCE_EXHAUSTED"

@@ -82,6 +82,8 @@ class Forward(_Msg):
     loader: Index = 0
     session: str | None = Field(default=None, max_length=64)  # one per DataCtx; scopes batch_id
     batch_id: Index | None = None
+    # chosen by the loader, which names it to the NN worker in the same breath (None: the worker's)
+    ref: Index | None = None
     batch_size: BatchSize
     requires_grad: bool = True
     features: IdFeatures

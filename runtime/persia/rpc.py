@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import grpc
 
-from persia.errors import RemoteError
+from persia.errors import BatchLost, RemoteError, TooManyWaiting
 from persia.messages import MessageError, validate
 from persia.security import GrpcTls
 from persia.wire.codec import decode, encode
@@ -83,6 +83,8 @@ def serve(
                 return fn(validate(schema, request["m"], where))
             except MessageError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except (BatchLost, TooManyWaiting) as exc:  # the caller acts on these by their status
+                context.abort(getattr(grpc.StatusCode, exc.grpc_status), f"{type(exc).__name__}: {exc}")
             except (ValueError, KeyError, TypeError, LookupError) as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}")
             except Exception as exc:  # noqa: BLE001

@@ -159,7 +159,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
     message = error_of(load_global_config_from_dict, {"embedding_worker_config": {"zzz": 1}})
     assert message == (
         "global_config.yml: unknown key 'zzz' in embedding_worker_config; "
-        "valid keys: forward_buffer_size, buffered_data_expired_sec"
+        "valid keys: forward_buffer_size, buffered_data_expired_sec, lookup_wait_sec"
     )
 
 

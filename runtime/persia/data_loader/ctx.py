@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -21,6 +22,15 @@ log = logging.getLogger(__name__)
 
 
 _positions: dict[tuple, StreamPosition | None] = {}
+
+
+def batch_ref(session: str, loader: int, batch_id: int) -> int:
+    """The ref under which a batch's ID features wait on their embedding worker: chosen by the
+    loader, so that it can name them to the NN worker before the worker has them. Unique per
+    (loader process, batch) in practice (62 random-looking bits; the worker refuses a ref it
+    already holds), and the same for a retried send."""
+    digest = hashlib.blake2b(f"{session}/{loader}/{batch_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 def _process_position(resume: dict | None, loader_index: int, world_size: int) -> StreamPosition | None:
@@ -94,49 +104,61 @@ class DataCtx(BaseCtx):
             persia_batch.batch_id = batch_id
             self.skipped += 1
             return
+        ref = batch_ref(self._stream.session, self.replica_index, batch_id)
+        leg = "id_features"
         try:
-            ref = self.bus.request_retry(
-                subject("ew", "forward", worker),
-                {
-                    "loader": self.replica_index,
-                    "batch_id": batch_id,  # with the session: lets the worker recognise a retried send
-                    "session": self._stream.session,
-                    "batch_size": persia_batch.batch_size,
-                    "requires_grad": persia_batch.requires_grad,
-                    "features": id_features_to_wire(persia_batch),
-                },
-                deadline_s=self.send_deadline_s,
-                what=f"sending ID features of batch {batch_id} to embedding worker {worker}",
-            )
+            ids = {
+                "loader": self.replica_index,
+                "batch_id": batch_id,  # with the session: lets the worker recognise a retried send
+                "session": self._stream.session,
+                "ref": ref,
+                "batch_size": persia_batch.batch_size,
+                "requires_grad": persia_batch.requires_grad,
+                "features": id_features_to_wire(persia_batch),
+            }
+            leg = "dense"
+            dense = {
+                "batch_id": batch_id,
+                "loader": self.replica_index,
+                "session": self._stream.session,
+                "epoch": self._stream.epoch,
+                "ref": ref,
+                "worker": worker,
+                "requires_grad": persia_batch.requires_grad,
+                "non_id": _named_arrays(persia_batch.non_id_type_features),
+                "labels": _named_arrays(persia_batch.labels),
+                "meta": persia_batch.meta,
+            }
         except Exception as exc:
-            self._failed("id_features", batch_id, exc)
+            self._failed(leg, batch_id, exc)
             raise
-        try:
-            self.bus.request_retry(
-                subject("nn", "batch", rank),
-                {
-                    "batch_id": batch_id,
-                    "loader": self.replica_index,
-                    "session": self._stream.session,
-                    "epoch": self._stream.epoch,
-                    "ref": ref["ref"],
-                    "worker": ref["worker"],
-                    "requires_grad": persia_batch.requires_grad,
-                    "non_id": _named_arrays(persia_batch.non_id_type_features),
-                    "labels": _named_arrays(persia_batch.labels),
-                    "meta": persia_batch.meta,
-                },
-                deadline_s=self.send_deadline_s,
-                what=f"sending batch {batch_id} to NN rank {rank}",
-            )
-        except Exception as exc:
-            self._failed("dense", batch_id, exc)
-            self._release(worker, ref["ref"])  # its ID features wait on the worker for nobody
-            raise
-        persia_batch.batch_id = batch_id
-        self._stream.acknowledged(rank)
+        # Both legs at once (one round trip, not two): the NN worker names the ID features by the
+        # ref chosen here, and its lookup waits for them on the worker if it comes first.
+        id_leg, dense_leg = self.bus.request_retry_all(
+            (subject("ew", "forward", worker), ids,
+             {"deadline_s": self.send_deadline_s,
+              "what": f"sending ID features of batch {batch_id} to embedding worker {worker}"}),
+            (subject("nn", "batch", rank), dense,
+             {"deadline_s": self.send_deadline_s, "what": f"sending batch {batch_id} to NN rank {rank}"}),
+        )
+        failed = next((e for e in (id_leg, dense_leg) if isinstance(e, BaseException)), None)
+        if failed is None:
+            persia_batch.batch_id = batch_id
+            self._stream.acknowledged(rank)
+            return
+        # Its ID features wait on the worker for nobody, or will never come: the worker drops or
+        # refuses them, and a lookup waiting for them fails now.
+        self._release(worker, ref)
+        if isinstance(dense_leg, BaseException):
+            self._failed("id_features" if isinstance(id_leg, BaseException) else "dense", batch_id, failed)
+        else:
+            # the NN rank has the batch: it is in that rank's count, which fails it (lost_id_features)
+            self._stream.acknowledged(rank)
+            log.error("batch %d: ID features not sent (%s: %s); NN rank %d counts it as failed (lost_id_features)",
+                      batch_id, type(id_leg).__name__, id_leg, rank)
+        raise failed
 
-    def _failed(self, leg: str, batch_id: int, exc: Exception) -> None:
+    def _failed(self, leg: str, batch_id: int, exc: BaseException) -> None:
         reason = f"send_{leg}"
         with self._stream.lock:
             self._stream.failed[reason] += 1

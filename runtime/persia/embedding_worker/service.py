@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = "persia.EmbeddingWorker"
 _RECENT_KEYS = 100_000  # (loader, batch_id) -> ref, to answer retried sends idempotently
+GRPC_THREADS = 8
+MAX_WAITING_LOOKUPS = GRPC_THREADS // 2  # lookups waiting for ID features never hold every thread
 PS_SERVICE = "persia.EmbeddingParameterServer"
 
 
@@ -88,8 +90,11 @@ class EmbeddingWorker:
         self.prefix_bit = embedding_config.feature_index_prefix_bit
         wc = global_config.embedding_worker_config
         # Bounded per data loader and in total: a sender that varies its loader id gets "busy" too.
+        # Remembers the refs that left it, so that a lookup of one fails at once instead of waiting.
         self.forward_buffer = ExpiringBuffer("forward buffer", wc.forward_buffer_size, wc.buffered_data_expired_sec,
-                                             capacity_total=wc.forward_buffer_size)
+                                             capacity_total=wc.forward_buffer_size, remember=_RECENT_KEYS,
+                                             max_waiters=MAX_WAITING_LOOKUPS)
+        self.lookup_wait_s = float(wc.lookup_wait_sec)
         # One post-forward entry per in-flight training batch; bounded by staleness on the NN side,
         # so a generous cap only guards against a runaway client.
         self.post_buffer = ExpiringBuffer("post-forward buffer", 1 << 20, wc.buffered_data_expired_sec)
@@ -111,7 +116,7 @@ class EmbeddingWorker:
             },
             port,
             host="0.0.0.0" if host == "0.0.0.0" else host,
-            max_workers=8,
+            max_workers=GRPC_THREADS,
         )
         self.address = f"{advertise_host or host}:{self.port}"
         if ps_addresses is None:
@@ -129,12 +134,14 @@ class EmbeddingWorker:
         bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False, schema=M.Forward)
-        # a data loader whose batch never reached its NN rank hands the ID features back
+        # a data loader whose batch did not go through hands the ID features back (or, when they
+        # never arrived here, says they never will: a lookup waiting for them fails now)
         bus.serve(subject("ew", "release", self.replica_index), self.release, blocking=False, schema=M.WorkerRelease)
         bus.flush()
 
     def on_forward(self, req: dict) -> Any:
-        """A data loader's ID features: validate now (a bad batch is rejected at the sender), buffer."""
+        """A data loader's ID features: validate now (a bad batch is rejected at the sender), buffer
+        under the ``ref`` the loader chose (it gave the same to the NN worker, at the same time)."""
         batch_size = int(req["batch_size"])
         pipeline.validate_features(req["features"], batch_size, self.slots)
         loader = int(req.get("loader", 0))
@@ -143,7 +150,7 @@ class EmbeddingWorker:
             if key[2] is not None and key in self._recent:
                 # a retry of a send whose reply was lost: same ref, not a second copy
                 return {"ref": self._recent[key], "worker": self.replica_index}
-            ref = self.forward_buffer.put(loader, req)
+            ref = self.forward_buffer.put(loader, req, ref=req.get("ref"))
             if ref is None:
                 self.metrics.inc("forward_busy")
                 return BUSY
@@ -194,7 +201,7 @@ class EmbeddingWorker:
 
     def _take_for_lookup(self, req: dict) -> tuple[int, dict, pipeline.PreparedBatch, bool]:
         ref = int(req["ref"])
-        batch = self.forward_buffer.take(ref)
+        batch = self.forward_buffer.take(ref, wait_s=self.lookup_wait_s)
         prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit,
                                     checked=True)  # validated by on_forward when it arrived
         # an eval/infer NN context asks train=False: no rows created, no gradients awaited
@@ -249,6 +256,14 @@ class EmbeddingWorker:
         """Earlier batches' gradients (``updates``, applied first) and the lookup of ``ref``, with
         one call per PS replica: what an NN worker sends instead of Update + Lookup."""
         t0 = time.perf_counter()
+        # The lookup's ID features first (they may still be on their way): TooManyWaiting is then
+        # answered before anything is done, so the NN worker can send the same Step again.
+        try:
+            ref, batch, prepared, train = self._take_for_lookup(req)
+            lost = None
+        except LookupError as exc:  # the lookup cannot run (expired, released): the gradients still land
+            lost = exc
+        t1 = time.perf_counter()
         carried: list[list[dict]] = [[] for _ in self.ps]
         skipped: list[str] = []
         for u in req.get("updates") or []:
@@ -257,13 +272,10 @@ class EmbeddingWorker:
             for s, tables in enumerate(parts):
                 carried[s] += tables
         if req.get("updates"):
-            self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
-        t1 = time.perf_counter()
-        try:
-            ref, batch, prepared, train = self._take_for_lookup(req)
-        except KeyError:  # the lookup cannot run (expired, released): the gradients still land
+            self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t1)
+        if lost is not None:
             self._call_ps("Update", [{"tables": t} if t else None for t in carried])
-            raise
+            raise lost
         positions, lookups = self._lookup_requests(prepared, train, batch.get("batch_id"))
         requests = [
             {"update": {"tables": carried[s]} if carried[s] else None, "lookup": lookups[s]}
@@ -274,20 +286,25 @@ class EmbeddingWorker:
         missing = sum(int(r["missing"]) for r in replies if r is not None)
         reply = self._reply(prepared, positions,
                             [r if r is not None and lookups[s] is not None else None for s, r in enumerate(replies)])
-        self._looked_up(ref, batch, prepared, positions, train, t1)
+        self._looked_up(ref, batch, prepared, positions, train, t0)
         return {**reply, "missing": missing, "skipped": skipped}
 
     def release(self, req: dict) -> dict:
-        """Forget batches a trainer will not train on (e.g. uneven tail across DDP ranks)."""
+        """Forget batches nobody will train on (the uneven tail across DDP ranks, a batch whose
+        data loader gave up on it). A ref not buffered is remembered as lost: its ID features
+        are refused if they come later, and a lookup waiting for them fails now."""
         released = 0
         for ref in req.get("refs", []):
-            for buf in (self.forward_buffer, self.post_buffer):
-                try:
-                    buf.take(int(ref))
-                    released += 1
-                    break
-                except KeyError:
-                    continue
+            if self.forward_buffer.release(int(ref), "was released before its lookup (its data loader gave up "
+                                                      "on the batch, or the NN worker dropped it)"):
+                released += 1
+                continue
+            try:
+                self.post_buffer.take(int(ref))
+                released += 1
+            except KeyError:
+                continue
+        self.metrics.set("num_pending_batches", len(self.forward_buffer))
         return {"released": released}
 
     def stats(self) -> dict:

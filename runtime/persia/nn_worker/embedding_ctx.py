@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
@@ -19,7 +20,7 @@ from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.wire import id_features_to_wire
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
 from persia.embedding_worker.service import discover
-from persia.errors import PersiaError
+from persia.errors import BatchLost, PersiaError, RemoteError, TooManyWaiting
 from persia.nn_worker import embedding_tensors
 from persia.nn_worker.checkpoint import EmbeddingCheckpoints
 from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
@@ -143,19 +144,36 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _attach_permits(self, permits) -> None:
         self._permits = permits
 
+    def _call_worker(self, worker: int, method: str, request: dict, deadline_s: float = 600.0) -> Any:
+        """``method`` on embedding worker ``worker``. Asked again while it answers that too many
+        lookups wait for their ID features already (it answers so before doing anything)."""
+        end = time.monotonic() + deadline_s
+        backoff = 0.002
+        while True:
+            try:
+                return self._stream_clients()[worker].call(method, request)
+            except RemoteError as exc:
+                if exc.kind != TooManyWaiting.grpc_status or time.monotonic() + backoff > end:
+                    raise
+            time.sleep(backoff)  # back-off: the waiting lookups end within the worker's lookup wait
+            backoff = min(0.1, backoff * 2)
+
     def _lookup_call(self, worker: int, msg: dict, transferred=None) -> dict:
         """The lookup of a streamed batch (TrainCtx adds earlier batches' gradients to it)."""
         # train=False: an eval/infer context never creates rows, whatever the batch asked for
-        return self._stream_clients()[worker].call("Lookup", {"ref": int(msg["ref"]), "train": self.is_training})
+        return self._call_worker(worker, "Lookup", {"ref": int(msg["ref"]), "train": self.is_training})
 
     def _lookup_message(self, msg: dict, holds_permit: bool, transferred=None) -> PersiaTrainingBatch:
         """``transferred``: an update whose staleness permit this lookup takes over (TrainCtx)."""
         worker = int(msg["worker"])
         try:
             resp = self._lookup_call(worker, msg, transferred)
-        except BaseException:
+        except BaseException as exc:
             if holds_permit and self._permits is not None:
                 self._permits.release()
+            if isinstance(exc, RemoteError) and exc.kind == BatchLost.grpc_status:
+                raise BatchLost(f"batch {msg['batch_id']} of data loader {msg.get('loader', 0)}: its ID features "
+                                f"never reached embedding worker {worker}: {exc.remote_message}") from None
             raise
         return PersiaTrainingBatch(
             non_id_type_features=[f["data"] for f in msg["non_id"]],

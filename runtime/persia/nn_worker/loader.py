@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 from persia.context import cnt_ctx, ctx_stack
-from persia.errors import ContextRequired
+from persia.errors import BatchLost, ContextRequired
 from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
@@ -235,18 +235,25 @@ class _LoaderIterator:
         return item
 
     def _next_item(self):
-        try:
-            fut = self._out.get(timeout=self.loader.timeout_s + 5)
-        except queue.Empty:
-            self._finish()
-            raise TimeoutError(f"no looked-up batch within {self.loader.timeout_s:.0f}s") from None
-        if fut is _END:
-            return _END
-        try:
-            return fut.result()
-        except BaseException:
-            self._finish()
-            raise
+        while True:
+            try:
+                fut = self._out.get(timeout=self.loader.timeout_s + 5)
+            except queue.Empty:
+                self._finish()
+                raise TimeoutError(f"no looked-up batch within {self.loader.timeout_s:.0f}s") from None
+            if fut is _END:
+                return _END
+            try:
+                return fut.result()
+            except BatchLost as exc:
+                # its data loader gave up on the ID features (or they never came): counted, skipped
+                ACCOUNT.fail("lost_id_features")
+                log.error("%s; counted as failed (lost_id_features)", exc)
+                if self._lookahead is not None:
+                    self._lookahead.release()
+            except BaseException:
+                self._finish()
+                raise
 
     def _discard(self, batch: PersiaTrainingBatch) -> None:
         self.ctx._release_trained_refs([batch])

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from persia.bus import subject
-from persia.errors import PersiaError, PersiaValidationError
+from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError
 from persia.metrics import Metrics
 from persia.nn_worker.embedding_ctx import (
     EmbeddingCtx,
@@ -298,9 +298,12 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         permits follow the call (``passes``: the update whose permit goes on to a new lookup)."""
         fut = fut or self._track()
         try:
-            resp = self._stream_clients()[worker].call(method, request)
+            resp = self._call_worker(worker, method, request)
         except BaseException as exc:
-            fut.set_exception(exc)
+            if isinstance(exc, RemoteError) and exc.kind == BatchLost.grpc_status:
+                fut.set_result(None)  # the lookup's ID features were lost; the worker applied the updates
+            else:
+                fut.set_exception(exc)
             raise
         else:
             fut.set_result(None)

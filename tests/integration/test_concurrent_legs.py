@@ -1,0 +1,127 @@
+"""A data loader sends a batch's ID features (to an embedding worker) and its dense part (to an NN
+rank) at once, so the NN worker's lookup may reach the embedding worker before the IDs do. Real
+nats-server, real gRPC on loopback, real torch; the ID leg is held back deterministically by
+holding the worker's forward handler until the NN worker's lookup waits for it."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from persia.bus import shared_bus, subject
+from persia.ctx import DataCtx, TrainCtx, id_features_to_wire
+from persia.data import DataLoader, StreamingDataset
+from persia.data_loader import stream as loader_stream
+from persia.data_loader.ctx import batch_ref
+from persia.data_loader.stream import end_of_stream
+from persia.embedding.optim import SGD
+from persia.embedding_worker.service import EmbeddingWorker
+from persia.errors import RemoteError
+from persia.nn_worker.accounting import ACCOUNT
+
+from .cluster import GLOBAL_CONFIG, cluster
+from .test_training_path import BS, Model, make_batch
+
+pytestmark = pytest.mark.integration
+
+
+def hold_forward(monkeypatch, batch_id: int, then_fail: bool) -> dict:
+    """Hold the embedding worker's forward of ``batch_id`` until an NN lookup waits for it, then
+    buffer it (or refuse it, as a worker that rejects the batch would)."""
+    seen = {"waited": False}
+    original = EmbeddingWorker.on_forward
+
+    def on_forward(self, req):
+        if req.get("batch_id") == batch_id:
+            end = time.monotonic() + 30
+            while not self.forward_buffer.waiting and time.monotonic() < end:
+                time.sleep(0.001)  # polled with a deadline: the NN worker's lookup comes on its own
+            seen["waited"] = bool(self.forward_buffer.waiting)
+            if then_fail:
+                raise ValueError(f"batch {batch_id} refused for the test")
+        return original(self, req)
+
+    monkeypatch.setattr(EmbeddingWorker, "on_forward", on_forward)
+    return seen
+
+
+def train(batches, lookup_wait_sec: float = 120.0):
+    """Train ``batches`` sent by one data loader (a thread that goes on after a failed send)."""
+    config = {**GLOBAL_CONFIG, "embedding_worker_config": {**GLOBAL_CONFIG["embedding_worker_config"],
+                                                           "lookup_wait_sec": lookup_wait_sec}}
+    errors, seen = [], []
+    with cluster(global_config=config) as servers:
+        loader_stream.reset()
+
+        def loader():
+            with DataCtx() as ctx:
+                for b in batches:
+                    try:
+                        ctx.send_data(b)
+                    except Exception as exc:  # noqa: BLE001
+                        errors.append(exc)
+            end_of_stream()
+
+        t = threading.Thread(target=loader, daemon=True)
+        t.start()
+        model = Model()
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+                seen.append(batch.batch_id)
+                out, labels = ctx.forward(batch)
+                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        t.join(60)
+        worker = servers[-1]
+        return seen, errors, worker
+
+
+def test_a_lookup_that_comes_before_the_ids_waits_for_them(persia_env, monkeypatch):
+    held = hold_forward(monkeypatch, batch_id=1, then_fail=False)
+    seen, errors, worker = train([make_batch(i) for i in range(4)])
+    assert held["waited"]  # the NN worker's lookup of batch 1 was on the worker before its IDs
+    assert errors == [] and seen == [0, 1, 2, 3]
+    assert len(worker.forward_buffer) == 0 and worker.forward_buffer.waiting == 0
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 4 and result["batches_trained"] == 4 and result["batches_failed"] == {}
+
+
+def test_an_id_leg_that_fails_after_the_nn_got_the_batch_fails_its_lookup_at_once(persia_env, monkeypatch, caplog):
+    held = hold_forward(monkeypatch, batch_id=1, then_fail=True)
+    caplog.set_level(logging.ERROR, logger="persia.nn_worker.loader")
+    # a lookup wait far longer than the test: only the loader's release can end it in time
+    seen, errors, worker = train([make_batch(i) for i in range(4)], lookup_wait_sec=600)
+    assert held["waited"]
+    assert len(errors) == 1 and "refused for the test" in str(errors[0])
+    assert seen == [0, 2, 3]
+    assert len(worker.forward_buffer) == 0
+    lost = [r.getMessage() for r in caplog.records
+            if r.name == "persia.nn_worker.loader" and "lost_id_features" in r.getMessage()]
+    assert len(lost) == 1 and "batch 1 of data loader 0" in lost[0] and "released before its lookup" in lost[0]
+    # the NN rank had the batch, so it is in that rank's count, failed with a reason
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 4 and result["batches_trained"] == 3
+    assert result["batches_failed"] == {"lost_id_features": 1}
+
+
+def test_a_retried_forward_keeps_its_ref_and_a_ref_is_never_shared(persia_env):
+    with cluster() as servers:
+        worker = servers[-1]
+        bus = shared_bus()
+        ref = batch_ref("s1", 0, 7)
+        req = {"loader": 0, "session": "s1", "batch_id": 7, "ref": ref, "batch_size": BS,
+               "features": id_features_to_wire(make_batch(7))}
+        assert bus.request(subject("ew", "forward", 0), req) == {"ref": ref, "worker": 0}
+        assert bus.request(subject("ew", "forward", 0), req) == {"ref": ref, "worker": 0}  # a retry
+        assert len(worker.forward_buffer) == 1
+        with pytest.raises(RemoteError, match="already buffered"):  # another batch claiming that ref
+            bus.request(subject("ew", "forward", 0), {**req, "batch_id": 8})
+        # released (its loader gave up): a late copy of another send is refused, not buffered
+        assert bus.request(subject("ew", "release", 0), {"refs": [ref]}) == {"released": 1}
+        with pytest.raises(RemoteError, match="released before its lookup"):
+            bus.request(subject("ew", "forward", 0), {**req, "session": "s2"})
+        assert len(worker.forward_buffer) == 0
