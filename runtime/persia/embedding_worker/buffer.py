@@ -41,6 +41,8 @@ class ExpiringBuffer:
             raise ValueError(f"{name}: capacity must be >= 1, got {capacity_per_owner}")
         if capacity_total is not None and capacity_total < 1:
             raise ValueError(f"{name}: total capacity must be >= 1, got {capacity_total}")
+        if max_waiters and not remember:
+            raise ValueError(f"{name}: waiting takes need remembered refs (a release must reach them)")
         self.name = name
         self.capacity = capacity_per_owner
         self.capacity_total = capacity_total
@@ -170,9 +172,9 @@ class ExpiringBuffer:
                 self._check_gone(ref)
                 left = end - time.monotonic()
                 if left <= 0:
-                    self._left(ref, True, f"did not arrive within the lookup wait of {wait_s:g}s "
-                                          "(lookup_wait_sec); a late copy is refused")
-                    self._check_gone(ref)
+                    why = f"did not arrive within the lookup wait of {wait_s:g}s (lookup_wait_sec); a late copy is refused"
+                    self._left(ref, True, why)
+                    raise BatchLost(f"{self.name}: ref {ref} {why}")
                 self._arrived.wait(left)
         finally:
             self._n_waiting -= 1
