@@ -3,16 +3,20 @@ applied to the model. Real NATS, real gRPC servers on loopback, real torch."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
-from persia.ctx import TrainCtx
+from persia.ctx import DataCtx, TrainCtx
+from persia.data_loader import stream as loader_stream
+from persia.data_loader.stream import end_of_stream
 from persia.data import DataLoader, StreamingDataset
 from persia.embedding.optim import SGD
 from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.train_ctx import NonFiniteModel
-from tests.integration.cluster import cluster
+from tests.integration.cluster import GLOBAL_CONFIG, cluster
 from tests.integration.test_training_path import Model, make_batch, send_in_thread
 
 pytestmark = pytest.mark.integration
@@ -32,16 +36,13 @@ def train_all(model, batches, lr=0.1):
     return seen, errors
 
 
-def test_a_batch_whose_dense_leg_fails_spends_its_id(persia_env):
-    batches = [make_batch(i) for i in range(4)]
-    batches[1].meta = b"x" * (65 * 1024 * 1024)  # over NATS max_payload: the second leg fails
-    with cluster() as servers:
-        worker = servers[-1]
-        seen, errors = [], []
-        # the loader goes on after the failure, as a user's loop that catches it would
-        from persia.ctx import DataCtx
-        from persia.data_loader.stream import end_of_stream
-        import threading
+def train_through_failed_sends(batches, lookup_wait_sec: float = 120.0):
+    """Train ``batches`` sent by one data loader (a thread that goes on after a failed send)."""
+    config = {**GLOBAL_CONFIG, "embedding_worker_config": {**GLOBAL_CONFIG["embedding_worker_config"],
+                                                           "lookup_wait_sec": lookup_wait_sec}}
+    errors, seen = [], []
+    with cluster(global_config=config) as servers:
+        loader_stream.reset()
 
         def loader():
             with DataCtx() as ctx:
@@ -52,8 +53,6 @@ def test_a_batch_whose_dense_leg_fails_spends_its_id(persia_env):
                         errors.append(exc)
             end_of_stream()
 
-        from persia.data_loader import stream as loader_stream
-        loader_stream.reset()
         t = threading.Thread(target=loader, daemon=True)
         t.start()
         model = Model()
@@ -64,10 +63,18 @@ def test_a_batch_whose_dense_leg_fails_spends_its_id(persia_env):
                 out, labels = ctx.forward(batch)
                 ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
         t.join(60)
-        assert len(errors) == 1 and "max_payload" in str(errors[0])
-        # batch 1's id is not handed to batch 2 (which the worker would answer with batch 1's features)
-        assert seen == [0, 2, 3]
-        assert len(worker.forward_buffer) == 0  # the failed batch's ID features were handed back
+        worker = servers[-1]
+        return seen, errors, worker
+
+
+def test_a_batch_whose_dense_leg_fails_spends_its_id(persia_env):
+    batches = [make_batch(i) for i in range(4)]
+    batches[1].meta = b"x" * (65 * 1024 * 1024)  # over NATS max_payload: the dense leg fails
+    seen, errors, worker = train_through_failed_sends(batches)
+    assert len(errors) == 1 and "max_payload" in str(errors[0])
+    # batch 1's id is not handed to batch 2 (which the worker would answer with batch 1's features)
+    assert seen == [0, 2, 3]
+    assert len(worker.forward_buffer) == 0  # the failed batch's ID features were handed back
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 3 and result["batches_trained"] == 3
     assert result["batches_failed"] == {"loader_send_dense": 1}

@@ -6,25 +6,20 @@ holding the worker's forward handler until the NN worker's lookup waits for it."
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import pytest
-import torch
 
 from persia.bus import shared_bus, subject
-from persia.ctx import DataCtx, TrainCtx, id_features_to_wire
-from persia.data import DataLoader, StreamingDataset
-from persia.data_loader import stream as loader_stream
+from persia.ctx import id_features_to_wire
 from persia.data_loader.ctx import batch_ref
-from persia.data_loader.stream import end_of_stream
-from persia.embedding.optim import SGD
 from persia.embedding_worker.service import EmbeddingWorker
 from persia.errors import RemoteError
 from persia.nn_worker.accounting import ACCOUNT
 
-from .cluster import GLOBAL_CONFIG, cluster
-from .test_training_path import BS, Model, make_batch
+from .cluster import cluster
+from .test_batch_integrity import train_through_failed_sends
+from .test_training_path import BS, make_batch
 
 pytestmark = pytest.mark.integration
 
@@ -49,40 +44,9 @@ def hold_forward(monkeypatch, batch_id: int, then_fail: bool) -> dict:
     return seen
 
 
-def train(batches, lookup_wait_sec: float = 120.0):
-    """Train ``batches`` sent by one data loader (a thread that goes on after a failed send)."""
-    config = {**GLOBAL_CONFIG, "embedding_worker_config": {**GLOBAL_CONFIG["embedding_worker_config"],
-                                                           "lookup_wait_sec": lookup_wait_sec}}
-    errors, seen = [], []
-    with cluster(global_config=config) as servers:
-        loader_stream.reset()
-
-        def loader():
-            with DataCtx() as ctx:
-                for b in batches:
-                    try:
-                        ctx.send_data(b)
-                    except Exception as exc:  # noqa: BLE001
-                        errors.append(exc)
-            end_of_stream()
-
-        t = threading.Thread(target=loader, daemon=True)
-        t.start()
-        model = Model()
-        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
-                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
-            for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
-                seen.append(batch.batch_id)
-                out, labels = ctx.forward(batch)
-                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
-        t.join(60)
-        worker = servers[-1]
-        return seen, errors, worker
-
-
 def test_a_lookup_that_comes_before_the_ids_waits_for_them(persia_env, monkeypatch):
     held = hold_forward(monkeypatch, batch_id=1, then_fail=False)
-    seen, errors, worker = train([make_batch(i) for i in range(4)])
+    seen, errors, worker = train_through_failed_sends([make_batch(i) for i in range(4)])
     assert held["waited"]  # the NN worker's lookup of batch 1 was on the worker before its IDs
     assert errors == [] and seen == [0, 1, 2, 3]
     assert len(worker.forward_buffer) == 0 and worker.forward_buffer.waiting == 0
@@ -94,7 +58,7 @@ def test_an_id_leg_that_fails_after_the_nn_got_the_batch_fails_its_lookup_at_onc
     held = hold_forward(monkeypatch, batch_id=1, then_fail=True)
     caplog.set_level(logging.ERROR, logger="persia.nn_worker.loader")
     # a lookup wait far longer than the test: only the loader's release can end it in time
-    seen, errors, worker = train([make_batch(i) for i in range(4)], lookup_wait_sec=600)
+    seen, errors, worker = train_through_failed_sends([make_batch(i) for i in range(4)], lookup_wait_sec=600)
     assert held["waited"]
     assert len(errors) == 1 and "refused for the test" in str(errors[0])
     assert seen == [0, 2, 3]
