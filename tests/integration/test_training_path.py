@@ -227,6 +227,46 @@ def test_synchronous_reference_mode_is_deterministic(persia_env):
         np.testing.assert_array_equal(x, y)
 
 
+def test_tensors_built_in_the_lookup_thread_train_exactly_like_tensors_built_at_forward(persia_env, monkeypatch):
+    """The lookup thread builds each batch's tensors and embedding graph ahead of its step
+    (``EmbeddingCtx._prebuild``); backward on the training thread must go through that graph to
+    the same gradients, and a prebuilt set serves one forward only."""
+    from persia.nn_worker.embedding_ctx import EmbeddingCtx
+
+    seen: list[bool] = []
+    real_prepare = EmbeddingCtx.prepare_features
+
+    def spying_prepare(self, batch):
+        seen.append(batch.prepared is not None)
+        out = real_prepare(self, batch)
+        assert batch.prepared is None  # consumed: a second forward of this batch builds anew
+        return out
+
+    def run(prebuild: bool):
+        seen.clear()
+        torch.manual_seed(0)
+        model = Model()
+        with monkeypatch.context() as m:
+            m.setattr(EmbeddingCtx, "prepare_features", spying_prepare)
+            if not prebuild:
+                m.setattr(EmbeddingCtx, "_prebuild", lambda self, batch: None)
+            with cluster(num_ps=1, num_workers=1):
+                train(model, 8, staleness=1)
+                with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                              dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+                    emb = eval_embeddings(model, [make_batch(77, requires_grad=False)])
+        return [p.detach().clone() for p in model.parameters()], emb, list(seen)
+
+    params_a, emb_a, seen_a = run(prebuild=True)
+    params_b, emb_b, seen_b = run(prebuild=False)
+    assert seen_a == [True] * 9  # 8 training batches and the eval batch came prebuilt
+    assert seen_b == [False] * 9
+    for p, q in zip(params_a, params_b):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    for x, y in zip(emb_a[0], emb_b[0]):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_rendezvous_over_nats_hands_out_distinct_indices(persia_env, monkeypatch):
     from persia.bus import shared_bus
     from persia.errors import BusyError

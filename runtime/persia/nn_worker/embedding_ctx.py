@@ -239,6 +239,21 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _tensor(self, arr: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.array(arr, copy=True)).to(self.device, non_blocking=True)
 
+    def _build_tensors(self, batch: PersiaTrainingBatch, requires_grad: bool) -> embedding_tensors.PreparedTensors:
+        return embedding_tensors.PreparedTensors(
+            requires_grad=requires_grad,
+            non_id=[self._tensor(x) for x in batch.non_id_type_features],
+            labels=[self._tensor(x) for x in batch.labels] if batch.labels else None,
+            slots=embedding_tensors.build(batch.emb_tables, batch.embeddings, self.device, requires_grad),
+        )
+
+    def _prebuild(self, batch: PersiaTrainingBatch) -> None:
+        """Build a looked-up batch's tensors (and its embeddings' autograd graph) in the lookup
+        thread, ahead of its training step: the training thread is the pipeline's critical path.
+        CPU only (a CUDA copy issued from another thread would run on that thread's stream)."""
+        if self.device.type == "cpu":
+            batch.prepared = self._build_tensors(batch, batch.requires_grad and self.is_training)
+
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
         """``(non_id_type_feature_tensors, id_type_feature_embedding_tensors, label_tensors)``.
 
@@ -246,15 +261,14 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         whose last channel is the mask, as in PERSIA.
         """
         batch = persia_training_batch
-        non_id = [self._tensor(x) for x in batch.non_id_type_features]
-        labels = [self._tensor(x) for x in batch.labels] if batch.labels else None
         requires_grad = batch.requires_grad and self.is_training
-        built = embedding_tensors.build(batch.emb_tables, batch.embeddings, self.device, requires_grad)
-        batch.emb_leaves, batch.slot_used = built.leaves, built.used
-        emb = built.emb
+        built, batch.prepared = batch.prepared, None  # tensors built ahead serve one forward
+        if built is None or built.requires_grad != requires_grad or (requires_grad and not torch.is_grad_enabled()):
+            built = self._build_tensors(batch, requires_grad)
+        batch.emb_leaves, batch.slot_used = built.slots.leaves, built.slots.used
         if requires_grad:
             self._current_batch = batch
-        return non_id, emb, labels
+        return built.non_id, built.slots.emb, built.labels
 
     def forward(self, batch: PersiaTrainingBatch):
         """``(model_output, label_tensors)``, PERSIA's contract."""

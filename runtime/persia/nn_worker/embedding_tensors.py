@@ -23,6 +23,16 @@ class SlotTensors:
     used: list[bool]  # per slot: backward reached its tensor (set during backward)
 
 
+@dataclass
+class PreparedTensors:
+    """What ``ctx.prepare_features`` returns for one batch, with the grad setting it was built for."""
+
+    requires_grad: bool
+    non_id: list[torch.Tensor]
+    labels: list[torch.Tensor] | None
+    slots: SlotTensors
+
+
 def _tensor(arr: np.ndarray, device) -> torch.Tensor:
     # decoded arrays are read-only views of the message buffer: torch wants its own copy
     return torch.from_numpy(np.array(arr, copy=True)).to(device, non_blocking=True)

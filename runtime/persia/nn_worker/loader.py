@@ -165,7 +165,7 @@ class _LoaderIterator:
                     if transferred is not None:  # a lookup cancelled at shutdown still applies it
                         fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._send_alone(u))
                 else:
-                    fut = self._pool.submit(self.ctx._lookup_batch, item)
+                    fut = self._pool.submit(self._direct_lookup, item)
                 self._put(fut)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
             failed: Future = Future()
@@ -180,7 +180,13 @@ class _LoaderIterator:
                  else self.ctx._lookup_message(item, holds_permit, transferred))
         if self._lookahead is not None:
             self._lookahead.record_lookup(time.perf_counter() - t0)
+        self.ctx._prebuild(batch)
         return batch
+
+    def _direct_lookup(self, batch) -> PersiaTrainingBatch:
+        looked = self.ctx._lookup_batch(batch)
+        self.ctx._prebuild(looked)
+        return looked
 
     def _put(self, item: Any, force: bool = False) -> None:
         while True:

@@ -32,6 +32,8 @@ class PersiaTrainingBatch:
     # use gets no update, as in PERSIA)
     emb_leaves: list[Any] = field(default_factory=list)
     slot_used: list[bool] = field(default_factory=list)
+    # tensors the lookup thread built ahead (``EmbeddingCtx._prebuild``); one forward consumes them
+    prepared: Any = field(default=None, repr=False)
 
     def unused_slots(self) -> list[int]:
         """Positions of the slots whose tensor got no gradient (after backward)."""
