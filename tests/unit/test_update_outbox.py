@@ -8,6 +8,7 @@ import time
 import pytest
 
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
+from persia.nn_worker.staleness import RampedStalenessBound
 
 
 def upd(worker: int, ref: int, permit: bool = True) -> PendingUpdate:
@@ -83,13 +84,31 @@ def test_flush_sends_everything_and_a_closed_outbox_refuses_more():
         box.put(upd(0, 3))
 
 
-def test_wait_returns_when_an_update_with_a_permit_arrives():
+def test_a_dispatcher_out_of_permits_takes_over_an_update_the_moment_it_is_put():
+    """The permits share the outbox's condition: a put wakes the waiting dispatcher (it would
+    otherwise only see it at its next poll, 30 s here)."""
     box = UpdateOutbox(lambda u: None, start_flusher=False)
+    permits = RampedStalenessBound(1, 0, cond=box.condition)
+    assert permits.acquire(blocking=False)  # the one permit is held (by the batch now training)
     threading.Timer(0.05, lambda: box.put(upd(0, 1))).start()
     t0 = time.monotonic()
-    box.wait(30)  # returns at the put, not after 30 s
+    got, taken = permits.acquire_or_take_over(box.claim_permit, threading.Event(), poll_s=30)
     assert time.monotonic() - t0 < 25
-    assert box.claim_permit().ref == 1
+    assert got and taken.ref == 1 and len(box) == 0
+
+
+def test_a_dispatcher_out_of_permits_wakes_for_a_release_and_stops_when_told():
+    box = UpdateOutbox(lambda u: None, start_flusher=False)
+    permits = RampedStalenessBound(1, 0, cond=box.condition)
+    assert permits.acquire(blocking=False)
+    threading.Timer(0.05, permits.release).start()
+    t0 = time.monotonic()
+    assert permits.acquire_or_take_over(box.claim_permit, threading.Event(), poll_s=30) == (True, None)
+    assert time.monotonic() - t0 < 25
+    stop = threading.Event()
+    stop.set()
+    assert permits.acquire_or_take_over(box.claim_permit, stop, poll_s=30) == (False, None)
+    assert permits.held == 1
 
 
 def test_negative_hold_is_refused():

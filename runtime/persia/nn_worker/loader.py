@@ -97,7 +97,8 @@ class _LoaderIterator:
             ctx._start_streaming()
         train = bool(getattr(ctx, "is_training", False))
         self._permits = (  # the ramp counts the context's steps (a new epoch does not restart it)
-            staleness_bound(loader.embedding_staleness, loader.staleness_warmup_steps, self._steps())
+            staleness_bound(loader.embedding_staleness, loader.staleness_warmup_steps, self._steps(),
+                            cond=ctx._permit_condition() if hasattr(ctx, "_permit_condition") else None)
             if (train and self.streaming)
             else None
         )
@@ -134,15 +135,7 @@ class _LoaderIterator:
                 if self._stop.is_set():
                     return False, None
             return True, None
-        while True:
-            if self._permits.acquire(timeout=0.002):
-                return True, None
-            taken = claim()
-            if taken is not None:
-                return True, taken
-            if self._stop.is_set():
-                return False, None
-            self.ctx._wait_for_update(0.005)
+        return self._permits.acquire_or_take_over(claim, self._stop)
 
     def _dispatch(self) -> None:
         try:

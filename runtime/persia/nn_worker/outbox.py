@@ -93,11 +93,10 @@ class UpdateOutbox:
                     return u
             return None
 
-    def wait(self, timeout: float) -> None:
-        """Block until something is put (or ``timeout``): a dispatcher waiting for a permit."""
-        with self._cond:
-            if not any(u.holds_permit for u in self._items):
-                self._cond.wait(timeout)
+    @property
+    def condition(self) -> threading.Condition:
+        """Notified on every put; the staleness permits share it (``TrainCtx._permit_condition``)."""
+        return self._cond
 
     def due(self, now: float) -> list[PendingUpdate]:
         """Pure-ish decision of the flusher: the updates held past ``max_hold_s`` (removed)."""

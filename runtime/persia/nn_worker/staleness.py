@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from typing import Any, Callable
 
 ENV_WARMUP = "PERSIA_STALENESS_WARMUP_STEPS"
 DEFAULT_WARMUP_STEPS = 200
@@ -67,48 +68,70 @@ class RampedStalenessBound:
     steps the training loop has done, which can only raise the bound (waiters wake up then).
     """
 
-    def __init__(self, target: int | None, warmup_steps: int = DEFAULT_WARMUP_STEPS, step: int = 0):
+    def __init__(self, target: int | None, warmup_steps: int = DEFAULT_WARMUP_STEPS, step: int = 0,
+                 cond: threading.Condition | None = None):
+        """``cond``: a condition (on a reentrant lock) shared with the update outbox, so that a
+        dispatcher can wait for a free permit or a pending update to take one over, whichever
+        comes first (``persia.nn_worker.loader``)."""
         ramped_bound(step, target, warmup_steps)  # validates the three
         self.target = target
         self.warmup_steps = warmup_steps
         self.step = step
         self.held = 0
-        self._cond = threading.Condition()
+        self.cond = cond or threading.Condition()
 
     @property
     def limit(self) -> int | None:
         return ramped_bound(self.step, self.target, self.warmup_steps)
 
     def set_step(self, step: int) -> None:
-        with self._cond:
+        with self.cond:
             if step > self.step:
                 self.step = step
-                self._cond.notify_all()
+                self.cond.notify_all()
 
     def _free(self) -> bool:
         limit = self.limit
         return limit is None or self.held < limit
 
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
-        with self._cond:
+        with self.cond:
             if not blocking:
                 timeout = 0.0
-            if not self._cond.wait_for(self._free, timeout):
+            if not self.cond.wait_for(self._free, timeout):
                 return False
             self.held += 1
             return True
 
+    def acquire_or_take_over(self, claim: Callable[[], Any], stop: threading.Event,
+                             poll_s: float = 0.1) -> tuple[bool, Any]:
+        """``(True, None)`` for a free permit, ``(True, x)`` when ``claim()`` hands over ``x`` (a
+        pending update whose permit the caller takes over), whichever comes first; ``(False,
+        None)`` once ``stop`` is set. Wakes on a release, a raised bound and, when the outbox
+        shares ``cond``, on every update put; ``poll_s`` only bounds how late ``stop`` is seen."""
+        with self.cond:
+            while True:
+                if self.acquire(blocking=False):
+                    return True, None
+                taken = claim()
+                if taken is not None:
+                    return True, taken
+                if stop.is_set():
+                    return False, None
+                self.cond.wait(poll_s)
+
     def release(self) -> None:
-        with self._cond:
+        with self.cond:
             if self.held <= 0:
                 raise ValueError("staleness permit released more times than acquired")
             self.held -= 1
-            self._cond.notify_all()
+            self.cond.notify_all()
 
 
-def staleness_bound(target: int | None, warmup_steps: int, step: int = 0) -> RampedStalenessBound | None:
+def staleness_bound(target: int | None, warmup_steps: int, step: int = 0,
+                    cond: threading.Condition | None = None) -> RampedStalenessBound | None:
     """The permits of one training stream; ``None`` when nothing would ever bound it (no user
     bound and no warm-up): then only the buffers limit how far lookups run ahead."""
     if target is None and warmup_steps == 0:
         return None
-    return RampedStalenessBound(target, warmup_steps, step)
+    return RampedStalenessBound(target, warmup_steps, step, cond)

@@ -334,8 +334,10 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         over (the update is applied before its lookup, in the same call)."""
         return self._outbox.claim_permit()
 
-    def _wait_for_update(self, timeout: float) -> None:
-        self._outbox.wait(timeout)
+    def _permit_condition(self) -> threading.Condition:
+        """The condition a dispatcher out of permits waits on: a permit released and an update
+        put both notify it (the permits are made with it)."""
+        return self._outbox.condition
 
     def _lookup_call(self, worker: int, msg: dict, transferred: PendingUpdate | None = None) -> dict:
         """``Step``: this worker's pending updates (and ``transferred``), then the lookup."""
