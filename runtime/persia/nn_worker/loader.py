@@ -171,9 +171,9 @@ class _LoaderIterator:
         t0 = time.perf_counter()
         batch = (self.ctx._lookup_message(item, holds_permit) if transferred is None
                  else self.ctx._lookup_message(item, holds_permit, transferred))
-        if self._lookahead is not None:
-            self._lookahead.record_lookup(time.perf_counter() - t0)
         self.ctx._prebuild(batch)
+        if self._lookahead is not None:  # until the batch is ready to train: that is what to hide
+            self._lookahead.record_lookup(time.perf_counter() - t0)
         return batch
 
     def _direct_lookup(self, batch) -> PersiaTrainingBatch:
