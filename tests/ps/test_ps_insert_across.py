@@ -48,3 +48,37 @@ def test_full_shards_fall_back_to_eviction_and_still_agree(monkeypatch):
     _steps(fast, slow, rng, 30, rng.integers(1, 2**63, size=5000, dtype=np.int64))
     assert True in taken and False in taken  # one pass while there was room, per shard after
     assert fast.stats()["evictions"] == slow.stats()["evictions"] > 0
+
+
+def test_insert_across_takes_freed_rows_first_and_otherwise_continues_each_shards_high_water():
+    """The vectorized case (no freed rows) and the per-shard loop (freed rows) number rows by one
+    reference rule: per shard, in the signs' order, the last freed rows of its free list first,
+    then rows from its high-water mark on."""
+    from persia.embedding_ps import index as ix
+    from persia.embedding_ps.table import DimTable
+
+    def expected(table, shards):
+        out = np.empty(shards.size, dtype=np.int64)
+        for k in range(table.num_shards):
+            mine = np.flatnonzero(shards == k)
+            free = table.free[k]
+            reuse = min(free.size, mine.size)
+            hw = int(table.high_water[k])
+            local = list(free[free.size - reuse :]) + list(range(hw, hw + mine.size - reuse))
+            out[mine] = np.array(local, dtype=np.int64) + table.base(k)
+        return out.tolist()
+
+    rng = np.random.default_rng(3)
+    table = DimTable(4, 4, 64, 0, 0.0)
+    for freed in (False, True):
+        if freed:  # as eviction leaves them (the caller rules out tombstones; the rows are what matters)
+            table.free[1] = np.array([5, 2], dtype=np.int64)
+        signs = rng.integers(1, 2**63, size=40, dtype=np.int64).astype(np.uint64)
+        shards = rng.integers(0, 4, size=40)
+        want = expected(table, shards)
+        live_before, hw_before = table.live.copy(), table.high_water.copy()
+        got = table.insert_across(shards, signs, ix.sign_hash(signs), 1, -0.1, 0.1)
+        assert got.tolist() == want
+        np.testing.assert_array_equal(table.live - live_before, np.bincount(shards, minlength=4))
+        assert (table.high_water >= hw_before).all() and table.free[1].size == 0
+        np.testing.assert_array_equal(table.signs_of_rows[got], signs)

@@ -258,15 +258,24 @@ class DimTable:
         g = np.empty(m, dtype=np.int64)
         order = np.argsort(shards, kind="stable")
         ks, starts, counts = np.unique(shards[order], return_index=True, return_counts=True)
-        for k, a, c in zip(ks.tolist(), starts.tolist(), counts.tolist()):
-            free = self.free[k]
-            reuse = min(free.shape[0], c)
-            hw = int(self.high_water[k])
-            local = np.concatenate([free[free.shape[0] - reuse :], np.arange(hw, hw + c - reuse)])
-            self.free[k] = free[: free.shape[0] - reuse]
-            self.high_water[k] += c - reuse
-            self.live[k] += c
-            g[order[a : a + c]] = local + self.base(k)
+        if not any(self.free[k].shape[0] for k in ks.tolist()):
+            # No freed rows to reuse (no eviction yet, the usual case): each shard's new rows
+            # continue from its high-water mark, in the order a per-shard loop gives them.
+            sorted_shards = shards[order]
+            rank = np.arange(m) - np.repeat(starts, counts)
+            g[order] = self.base(sorted_shards) + self.high_water[sorted_shards] + rank
+            self.high_water[ks] += counts
+            self.live[ks] += counts
+        else:
+            for k, a, c in zip(ks.tolist(), starts.tolist(), counts.tolist()):
+                free = self.free[k]
+                reuse = min(free.shape[0], c)
+                hw = int(self.high_water[k])
+                local = np.concatenate([free[free.shape[0] - reuse :], np.arange(hw, hw + c - reuse)])
+                self.free[k] = free[: free.shape[0] - reuse]
+                self.high_water[k] += c - reuse
+                self.live[k] += c
+                g[order[a : a + c]] = local + self.base(k)
         block = np.zeros((m, self.width), dtype=np.float32)
         block[:, : self.dim] = uniform_from_signs(signs, self.dim, lower, upper, seed)
         block[:, self.key_col : self.key_col + 2].view(np.uint64)[:, 0] = signs
