@@ -159,7 +159,8 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "weights clipped to ±10; the baseline's `SparseAdagrad` is tested against `torch.optim.Adagrad` and "
         "the PS's step). PERSIA's own Rust formula (old accumulator under the square root) is *not* used by "
         "either. Dense part: Adam lr 1e-3 (SGD lr 0.1, as in PERSIA's adult example, reached AUC 0.60 where "
-        "Adam reached 0.83 on 300k rows)."
+        "Adam reached 0.83 on 300k rows); our system's NN worker and `torch fused` run torch's fused Adam "
+        "kernel (the same formula in one pass), `torch` the single-tensor one."
     )
     threads = prof.get("persia_nn_threads")
     w(
