@@ -89,3 +89,48 @@ def test_a_retried_forward_keeps_its_ref_and_a_ref_is_never_shared(persia_env):
         with pytest.raises(RemoteError, match="released before its lookup"):
             bus.request(subject("ew", "forward", 0), {**req, "session": "s2"})
         assert len(worker.forward_buffer) == 0
+
+
+def test_waiting_lookups_are_bounded_and_the_nn_worker_asks_again(persia_env):
+    """At most MAX_WAITING_LOOKUPS lookups wait on a worker (the rest of its gRPC threads stay free
+    for updates and releases); one more is answered RESOURCE_EXHAUSTED before anything is done, and
+    the NN worker's call asks again until it gets through."""
+    import threading
+
+    from persia.embedding_worker.service import MAX_WAITING_LOOKUPS, SERVICE
+    from persia.nn_worker.embedding_ctx import EmbeddingCtx, PreprocessMode
+    from persia.rpc import Client
+
+    with cluster() as servers:
+        worker = servers[-1]
+        client = Client(worker.address, SERVICE)
+        refs = [batch_ref("s", 0, i) for i in range(MAX_WAITING_LOOKUPS + 1)]
+        replies: dict = {}
+
+        def lookup(ref, call):
+            try:
+                replies[ref] = call("Lookup", {"ref": ref, "train": False})
+            except Exception as exc:  # noqa: BLE001 - the test looks at it
+                replies[ref] = exc
+
+        waiting = [threading.Thread(target=lookup, args=(r, client.call), daemon=True) for r in refs[:-1]]
+        for t in waiting:
+            t.start()
+        end = time.monotonic() + 30
+        while worker.forward_buffer.waiting < MAX_WAITING_LOOKUPS and time.monotonic() < end:
+            time.sleep(0.005)
+        assert worker.forward_buffer.waiting == MAX_WAITING_LOOKUPS
+        with pytest.raises(RemoteError) as refused:
+            client.call("Lookup", {"ref": refs[-1], "train": False})
+        assert refused.value.kind == "RESOURCE_EXHAUSTED" and "ask again" in str(refused.value)
+        ctx = EmbeddingCtx(PreprocessMode.EVAL)
+        ctx._workers = [client]
+        again = threading.Thread(target=lookup, args=(refs[-1], lambda m, r: ctx._call_worker(0, m, r)), daemon=True)
+        again.start()
+        for i, ref in enumerate(refs):  # the ID features arrive: every lookup gets its batch
+            worker.on_forward({"loader": 0, "session": "s", "batch_id": i, "ref": ref, "batch_size": BS,
+                               "features": id_features_to_wire(make_batch(i))})
+        for t in [*waiting, again]:
+            t.join(30)
+        assert all(isinstance(replies.get(r), dict) and "slots" in replies[r] for r in refs), replies
+        client.close()
