@@ -50,6 +50,7 @@ def test_a_lookup_that_comes_before_the_ids_waits_for_them(persia_env, monkeypat
     assert held["waited"]  # the NN worker's lookup of batch 1 was on the worker before its IDs
     assert errors == [] and seen == [0, 1, 2, 3]
     assert len(worker.forward_buffer) == 0 and worker.forward_buffer.waiting == 0
+    assert worker.metrics.get("lookup_waited") >= 1 and worker.metrics.get("lookup_lost") == 0
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 4 and result["batches_trained"] == 4 and result["batches_failed"] == {}
 
@@ -63,6 +64,7 @@ def test_an_id_leg_that_fails_after_the_nn_got_the_batch_fails_its_lookup_at_onc
     assert len(errors) == 1 and "refused for the test" in str(errors[0])
     assert seen == [0, 2, 3]
     assert len(worker.forward_buffer) == 0
+    assert worker.metrics.get("lookup_lost") == 1  # on /metrics: persia_lookup_lost
     lost = [r.getMessage() for r in caplog.records
             if r.name == "persia.nn_worker.loader" and "lost_id_features" in r.getMessage()]
     assert len(lost) == 1 and "batch 1 of data loader 0" in lost[0] and "released before its lookup" in lost[0]
@@ -123,6 +125,8 @@ def test_waiting_lookups_are_bounded_and_the_nn_worker_asks_again(persia_env):
         with pytest.raises(RemoteError) as refused:
             client.call("Lookup", {"ref": refs[-1], "train": False})
         assert refused.value.kind == "RESOURCE_EXHAUSTED" and "ask again" in str(refused.value)
+        assert worker.metrics.get("lookup_wait_refused") == 1
+        assert worker.metrics.get("lookup_waited") == MAX_WAITING_LOOKUPS
         ctx = EmbeddingCtx(PreprocessMode.EVAL)
         ctx._workers = [client]
         again = threading.Thread(target=lookup, args=(refs[-1], lambda m, r: ctx._call_worker(0, m, r)), daemon=True)

@@ -33,10 +33,12 @@ class ExpiringBuffer:
         capacity_total: int | None = None,
         remember: int = 0,
         max_waiters: int = 0,
+        on_wait: Callable[[], None] | None = None,
     ):
         """``remember``: how many refs that left the buffer are remembered (and why), so that a
         waiting ``take`` or a late ``put`` of one fails at once; ``max_waiters``: ``take`` calls
-        that may wait at the same time (0: none waits)."""
+        that may wait at the same time (0: none waits); ``on_wait``: called when a ``take``
+        starts waiting (a metric)."""
         if capacity_per_owner < 1:
             raise ValueError(f"{name}: capacity must be >= 1, got {capacity_per_owner}")
         if capacity_total is not None and capacity_total < 1:
@@ -57,6 +59,7 @@ class ExpiringBuffer:
         self._remember = remember
         self._gone: OrderedDict[int, tuple[bool, str]] = OrderedDict()  # ref -> (lost, why)
         self.max_waiters = max_waiters
+        self._on_wait = on_wait
         self._waiting: dict[int, int] = {}  # ref -> takes waiting for it
         self._n_waiting = 0
 
@@ -163,6 +166,8 @@ class ExpiringBuffer:
                                  f"(at most {self.max_waiters}); ask again")
         self._n_waiting += 1
         self._waiting[ref] = self._waiting.get(ref, 0) + 1
+        if self._on_wait is not None:
+            self._on_wait()
         end = time.monotonic() + wait_s
         try:
             while True:

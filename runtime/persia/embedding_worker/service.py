@@ -15,7 +15,7 @@ import numpy as np
 from persia.bus import BUSY, NatsBus, subject
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
-from persia.errors import DiscoveryTimeout
+from persia.errors import BatchLost, DiscoveryTimeout, TooManyWaiting
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
@@ -93,7 +93,8 @@ class EmbeddingWorker:
         # Remembers the refs that left it, so that a lookup of one fails at once instead of waiting.
         self.forward_buffer = ExpiringBuffer("forward buffer", wc.forward_buffer_size, wc.buffered_data_expired_sec,
                                              capacity_total=wc.forward_buffer_size, remember=_RECENT_KEYS,
-                                             max_waiters=MAX_WAITING_LOOKUPS)
+                                             max_waiters=MAX_WAITING_LOOKUPS,
+                                             on_wait=lambda: self.metrics.inc("lookup_waited"))
         self.lookup_wait_s = float(wc.lookup_wait_sec)
         # One post-forward entry per in-flight training batch; bounded by staleness on the NN side,
         # so a generous cap only guards against a runaway client.
@@ -201,7 +202,14 @@ class EmbeddingWorker:
 
     def _take_for_lookup(self, req: dict) -> tuple[int, dict, pipeline.PreparedBatch, bool]:
         ref = int(req["ref"])
-        batch = self.forward_buffer.take(ref, wait_s=self.lookup_wait_s)
+        try:
+            batch = self.forward_buffer.take(ref, wait_s=self.lookup_wait_s)
+        except BatchLost:
+            self.metrics.inc("lookup_lost")
+            raise
+        except TooManyWaiting:
+            self.metrics.inc("lookup_wait_refused")
+            raise
         prepared = pipeline.prepare(batch["features"], int(batch["batch_size"]), self.slots, self.prefix_bit,
                                     checked=True)  # validated by on_forward when it arrived
         # an eval/infer NN context asks train=False: no rows created, no gradients awaited
