@@ -53,3 +53,8 @@ class TooManyWaiting(PersiaError):
     allows; answered before anything was done, so the caller may simply ask again."""
 
     grpc_status = "RESOURCE_EXHAUSTED"
+
+
+def answered_with(exc: BaseException, error: type[PersiaError]) -> bool:
+    """Whether ``exc`` is a peer's answer carrying ``error`` (it travels as its ``grpc_status``)."""
+    return isinstance(exc, RemoteError) and exc.kind == getattr(error, "grpc_status", None)

@@ -20,7 +20,7 @@ from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.wire import id_features_to_wire
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
 from persia.embedding_worker.service import discover
-from persia.errors import BatchLost, PersiaError, RemoteError, TooManyWaiting
+from persia.errors import BatchLost, PersiaError, RemoteError, TooManyWaiting, answered_with
 from persia.nn_worker import embedding_tensors
 from persia.nn_worker.checkpoint import EmbeddingCheckpoints
 from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
@@ -153,7 +153,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             try:
                 return self._stream_clients()[worker].call(method, request)
             except RemoteError as exc:
-                if exc.kind != TooManyWaiting.grpc_status or time.monotonic() + backoff > end:
+                if not answered_with(exc, TooManyWaiting) or time.monotonic() + backoff > end:
                     raise
             time.sleep(backoff)  # back-off: the waiting lookups end within the worker's lookup wait
             backoff = min(0.1, backoff * 2)
@@ -171,7 +171,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         except BaseException as exc:
             if holds_permit and self._permits is not None:
                 self._permits.release()
-            if isinstance(exc, RemoteError) and exc.kind == BatchLost.grpc_status:
+            if answered_with(exc, BatchLost):
                 raise BatchLost(f"batch {msg['batch_id']} of data loader {msg.get('loader', 0)}: its ID features "
                                 f"never reached embedding worker {worker}: {exc.remote_message}") from None
             raise

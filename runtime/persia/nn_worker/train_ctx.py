@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from persia.bus import subject
-from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError
+from persia.errors import BatchLost, PersiaError, PersiaValidationError, answered_with
 from persia.metrics import Metrics
 from persia.nn_worker.embedding_ctx import (
     EmbeddingCtx,
@@ -300,7 +300,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         try:
             resp = self._call_worker(worker, method, request)
         except BaseException as exc:
-            if isinstance(exc, RemoteError) and exc.kind == BatchLost.grpc_status:
+            if answered_with(exc, BatchLost):
                 fut.set_result(None)  # the lookup's ID features were lost; the worker applied the updates
             else:
                 fut.set_exception(exc)
