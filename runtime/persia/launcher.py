@@ -49,6 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     ew = sub.add_parser("embedding-worker", help="run an embedding worker")
     _add_server_flags(ew, 8887)
+    ew.add_argument("--with-ps", action="store_true", default=_env_default("PERSIA_WITH_PS") == "1",
+                    help="also run PS replica --replica-index in this process and call it without gRPC "
+                         "(env PERSIA_WITH_PS=1; persia.embedding_worker.colocated)")
+    ew.add_argument("--ps-port", type=int, default=int(_env_default("PERSIA_PS_PORT", 8888)),
+                    help="with --with-ps: the PS's gRPC port, for the other embedding workers (0: a free one)")
+    ew.add_argument("--ps-replica-size", type=int, default=None,
+                    help="with --with-ps: how many PS replicas the job has (default: --replica-size)")
     ps = sub.add_parser("embedding-parameter-server", help="run an embedding parameter server")
     _add_server_flags(ps, 8888)
 
@@ -273,15 +280,53 @@ def run_embedding_worker(args) -> int:
     gc, ec = _load_configs(args, need_embedding=True)
     infer = gc.common_config.job_type == "Infer"
 
-    def start(make_bus):
-        return EmbeddingWorker(
-            ec, gc, args.replica_index, args.replica_size, port=args.port, host=_bind_host(),
-            advertise_host=advertise_host(),
-            bus=None if infer else make_bus(),
-            ps_addresses=list(gc.common_config.infer_config.servers) if infer else None,
-        )
+    if args.with_ps:
+        if infer:
+            raise SystemExit("persia-launcher: --with-ps is for training jobs (an inference job's embedding "
+                             "workers use the PS addresses of infer_config.servers)")
+        ps_size = args.replica_size if args.ps_replica_size is None else args.ps_replica_size
+        _check_replica(args.replica_index, ps_size, "embedding parameter server (--with-ps)")
 
-    return _serve_forever(f"embedding-worker-{args.replica_index}", start)
+    def start(make_bus):
+        colocated = None
+        if args.with_ps:
+            from persia.embedding_ps.service import SERVICE as PS_SERVICE
+            from persia.embedding_ps.service import EmbeddingParameterServer
+            from persia.embedding_worker.colocated import InProcessPs
+
+            ps = EmbeddingParameterServer(gc, args.replica_index, ps_size, port=args.ps_port, host=_bind_host(),
+                                          advertise_host=advertise_host(), bus=make_bus())
+            colocated = InProcessPs(ps.address, PS_SERVICE, ps.methods)
+        try:
+            ew = EmbeddingWorker(
+                ec, gc, args.replica_index, args.replica_size, port=args.port, host=_bind_host(),
+                advertise_host=advertise_host(),
+                bus=None if infer else make_bus(),
+                ps_addresses=list(gc.common_config.infer_config.servers) if infer else None,
+                colocated_ps=colocated,
+            )
+        except BaseException:
+            if colocated is not None:
+                ps.stop()
+            raise
+        return ew if colocated is None else _Both(ew, ps)
+
+    role = f"embedding-worker-{args.replica_index}" + ("+ps" if args.with_ps else "")
+    return _serve_forever(role, start)
+
+
+class _Both:
+    """An embedding worker and the PS replica in its process, stopped together (worker first: it
+    calls the PS)."""
+
+    def __init__(self, worker, ps):
+        self.worker, self.ps = worker, ps
+
+    def stop(self) -> None:
+        try:
+            self.worker.stop()
+        finally:
+            self.ps.stop()
 
 
 def run_embedding_parameter_server(args) -> int:

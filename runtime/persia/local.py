@@ -47,6 +47,9 @@ def add_local_parser(sub) -> None:
     p.add_argument("--nproc-per-node", "--num-nn-workers", dest="nproc_per_node", type=int, default=1)
     p.add_argument("--num-data-loaders", "--data-loaders", dest="num_data_loaders", type=int, default=1)
     p.add_argument("--job-name", default="local")
+    p.add_argument("--colocate-ps", action="store_true",
+                   help="run PS replica i inside embedding worker i's process and call it without gRPC "
+                        "(needs --num-ps == --num-embedding-workers; docs/benchmarks.md, item 3)")
     p.add_argument("--nats-max-payload", type=int, default=64 * 1024 * 1024)
     p.add_argument("--nats-url", default=None,
                    help="use this NATS server instead of starting one (a shared server, or a proxy in front of "
@@ -120,7 +123,8 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     for inherited in _FOREIGN_NATS_ENV:  # the local NATS has credentials of its own (run_local)
         common.pop(inherited, None)
     launcher = [python, "-m", "persia.launcher"]
-    procs = server_roles(launcher, common, args.num_ps, args.num_embedding_workers)
+    procs = server_roles(launcher, common, args.num_ps, args.num_embedding_workers,
+                         colocate_ps=getattr(args, "colocate_ps", False))
     procs.append(RoleProcess("nn", "nn", launcher + [
         "nn-worker", os.path.abspath(args.nn_worker), "--nproc-per-node", str(args.nproc_per_node),
         "--nnodes", "1", "--node-rank", "0"],
@@ -138,8 +142,19 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     return procs
 
 
-def server_roles(launcher: list[str], common: dict[str, str], num_ps: int, num_ew: int) -> list[RoleProcess]:
-    """The PS replicas and embedding workers, on free ports (also used by ``persia.helper``)."""
+def server_roles(launcher: list[str], common: dict[str, str], num_ps: int, num_ew: int,
+                 colocate_ps: bool = False) -> list[RoleProcess]:
+    """The PS replicas and embedding workers, on free ports (also used by ``persia.helper``).
+    ``colocate_ps``: embedding worker i runs PS replica i in its own process (one process per pair,
+    :mod:`persia.embedding_worker.colocated`), which needs as many workers as replicas."""
+    if colocate_ps:
+        if num_ps != num_ew:
+            raise ValueError(f"--colocate-ps pairs each embedding worker with one PS replica: --num-ps ({num_ps}) "
+                             f"must equal --num-embedding-workers ({num_ew})")
+        return [RoleProcess(f"ew-ps-{i}", "ew", launcher + [
+            "embedding-worker", "--port", "0", "--replica-index", str(i), "--replica-size", str(num_ew),
+            "--with-ps", "--ps-port", "0", "--ps-replica-size", str(num_ps)],
+            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(num_ew))) for i in range(num_ew)]
     procs: list[RoleProcess] = []
     for i in range(num_ps):
         procs.append(RoleProcess(f"ps-{i}", "ps", launcher + [

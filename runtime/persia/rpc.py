@@ -57,6 +57,19 @@ def _unpack_request(buf: bytes) -> Any:
 Method = Callable[[Any], Any] | tuple[Callable[[Any], Any], Any]
 
 
+def error_status(exc: Exception) -> tuple[str, str]:
+    """The gRPC status name and detail a handler's exception is answered with: what callers act
+    on (``BatchLost``/``TooManyWaiting`` by their own status, bad input as INVALID_ARGUMENT).
+    Shared by the gRPC server and the in-process client of a colocated PS, so both answer alike."""
+    if isinstance(exc, MessageError):
+        return "INVALID_ARGUMENT", str(exc)
+    if isinstance(exc, (BatchLost, TooManyWaiting)):
+        return exc.grpc_status, f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (ValueError, KeyError, TypeError, LookupError)):
+        return "INVALID_ARGUMENT", f"{type(exc).__name__}: {exc}"
+    return "INTERNAL", f"{type(exc).__name__}: {exc}"
+
+
 def serve(
     service: str,
     methods: dict[str, Method],
@@ -81,15 +94,11 @@ def serve(
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed message: {request.why}")
             try:
                 return fn(validate(schema, request["m"], where))
-            except MessageError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except (BatchLost, TooManyWaiting) as exc:  # the caller acts on these by their status
-                context.abort(getattr(grpc.StatusCode, exc.grpc_status), f"{type(exc).__name__}: {exc}")
-            except (ValueError, KeyError, TypeError, LookupError) as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{type(exc).__name__}: {exc}")
-            except Exception as exc:  # noqa: BLE001
-                log.exception("%s/%s failed", service, name)
-                context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # noqa: BLE001 - every failure becomes the caller's status
+                code, detail = error_status(exc)
+                if code == "INTERNAL":
+                    log.exception("%s/%s failed", service, name)
+                context.abort(getattr(grpc.StatusCode, code), detail)
 
         return grpc.unary_unary_rpc_method_handler(
             handler, request_deserializer=_unpack_request, response_serializer=_pack

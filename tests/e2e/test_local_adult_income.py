@@ -52,6 +52,19 @@ def test_adult_income_with_two_of_every_role(tmp_path):
     assert result["train_steps"] in (127, 128)
 
 
+def test_adult_income_with_each_ps_inside_its_embedding_worker(tmp_path):
+    # --colocate-ps: two processes, each an embedding worker calling its own PS replica directly
+    # and the other one over gRPC (persia.embedding_worker.colocated); the NN workers' configure,
+    # optimizer and checkpoint requests reach both replicas over NATS as before
+    result, out = run_local(tmp_path, "--colocate-ps", "--num-ps", "2", "--num-embedding-workers", "2",
+                            env_extra=[f"PERSIA_CKPT_DIR={tmp_path / 'ckpt'}"])
+    assert result["auc"] >= 0.90, result
+    assert result["train_samples"] == 32561 and result["train_steps"] == 255
+    assert "[ew-ps-0]" in out and "[ew-ps-1]" in out and "[ps-0]" not in out
+    assert out.count("2 PS replicas, ") == 2 and "in this process" in out
+    assert (tmp_path / "ckpt" / "embedding_dump_done").exists()
+
+
 def test_a_failing_role_fails_the_run(tmp_path):
     bad = tmp_path / "bad_loader.py"
     bad.write_text("raise SystemExit(3)\n")

@@ -33,11 +33,12 @@ def test_nats_server_killed_is_restarted_and_training_completes():
     assert "Traceback" not in run.text
 
 
-@pytest.mark.parametrize("server", ["ps-0", "ew-0"])
+@pytest.mark.parametrize("server", ["ps-0", "ew-0", "ew-ps-0"])
 def test_a_server_killed_restarts_the_job(server):
     # a PS's embeddings, an embedding worker's buffered batches die with it: the whole job restarts
-    # (from the latest checkpoint when one is configured), nothing half-trained, new servers used
-    run = LocalRun(job=f"f-{server}")
+    # (from the latest checkpoint when one is configured), nothing half-trained, new servers used;
+    # ew-ps-0 is a worker with its PS replica inside (--colocate-ps): both die, both come back
+    run = LocalRun(*(["--colocate-ps"] if server == "ew-ps-0" else []), job=f"f-{server}")
     pid = run.pid_of(server)
     run.wait_for(r"nn_worker: batch 50 ")
     os.kill(pid, signal.SIGKILL)

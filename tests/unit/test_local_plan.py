@@ -43,3 +43,19 @@ def test_plan_rejects_bad_counts_and_missing_files(tmp_path):
         plan(args(tmp_path, num_ps=0))
     with pytest.raises(FileNotFoundError, match="--nn-worker"):
         plan(args(tmp_path, nn_worker=str(tmp_path / "missing.py")))
+
+
+def test_colocated_ps_runs_inside_each_embedding_worker(tmp_path):
+    roles = plan(args(tmp_path, num_ps=2, num_embedding_workers=2, colocate_ps=True), python="py")
+    assert [r.name for r in roles] == ["ew-ps-0", "ew-ps-1", "nn", "dl-0", "dl-1"]
+    ew1 = roles[1]
+    assert ew1.kind == "ew" and ew1.is_server  # its death restarts the job like any server's
+    assert ew1.argv[3] == "embedding-worker" and "--with-ps" in ew1.argv
+    assert ew1.argv[ew1.argv.index("--replica-index") + 1] == "1"
+    assert ew1.argv[ew1.argv.index("--ps-replica-size") + 1] == "2"
+    assert ew1.argv[ew1.argv.index("--ps-port") + 1] == "0"
+
+
+def test_colocated_ps_needs_one_replica_per_embedding_worker(tmp_path):
+    with pytest.raises(ValueError, match=r"--num-ps \(2\) must equal --num-embedding-workers \(3\)"):
+        plan(args(tmp_path, num_ps=2, num_embedding_workers=3, colocate_ps=True))

@@ -61,18 +61,15 @@ class EmbeddingParameterServer:
             self.incremental = IncrementalDumper(
                 self.store, pc.incremental_dir, replica_index, pc.incremental_buffer_size, self.num_workers
             )
-        self._server, self.port = rpc.serve(
-            SERVICE,
-            {
-                "Lookup": (self.lookup, M.PsLookup),
-                "Update": (self.update, M.PsUpdate),
-                "Step": (self.step, M.PsStep),
-                "Stats": (lambda _r: self.stats(), M.NoPayload),
-            },
-            port,
-            host=host,
-            max_workers=8,
-        )
+        # what gRPC serves, and what an embedding worker in this process calls directly
+        # (persia.embedding_worker.colocated)
+        self.methods: dict[str, rpc.Method] = {
+            "Lookup": (self.lookup, M.PsLookup),
+            "Update": (self.update, M.PsUpdate),
+            "Step": (self.step, M.PsStep),
+            "Stats": (lambda _r: self.stats(), M.NoPayload),
+        }
+        self._server, self.port = rpc.serve(SERVICE, self.methods, port, host=host, max_workers=8)
         self.address = f"{advertise_host or host}:{self.port}"
         ic = global_config.common_config.infer_config
         self.applier = None

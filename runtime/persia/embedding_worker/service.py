@@ -15,6 +15,7 @@ import numpy as np
 from persia.bus import BUSY, NatsBus, subject
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
+from persia.embedding_worker.colocated import InProcessPs
 from persia.errors import BatchLost, DiscoveryTimeout, TooManyWaiting
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
@@ -83,7 +84,11 @@ class EmbeddingWorker:
         bus: NatsBus | None = None,
         ps_addresses: list[str] | None = None,
         discovery_deadline_s: float = 600.0,
+        colocated_ps: InProcessPs | None = None,
     ):
+        """``colocated_ps``: the PS replica running in this process, called directly instead of
+        over gRPC (:mod:`persia.embedding_worker.colocated`); matched to the discovered replicas
+        by its address."""
         self.replica_index = replica_index
         self.replica_size = replica_size
         self.slots = slot_specs(embedding_config)
@@ -124,8 +129,13 @@ class EmbeddingWorker:
             if bus is None:
                 raise ValueError("embedding worker needs either a NATS bus or a static PS address list")
             ps_addresses = [e["address"] for e in discover(bus, "ps", discovery_deadline_s)]
-        self.ps = [rpc.Client(a, PS_SERVICE) for a in ps_addresses]
-        log.info("embedding worker %d/%d on %s; %d PS replicas", replica_index, replica_size, self.address, len(self.ps))
+        if colocated_ps is not None and colocated_ps.address not in ps_addresses:
+            raise ValueError(f"the colocated PS {colocated_ps.address} is not among the discovered PS replicas "
+                             f"{ps_addresses}")
+        self.ps = [colocated_ps if colocated_ps is not None and a == colocated_ps.address else rpc.Client(a, PS_SERVICE)
+                   for a in ps_addresses]
+        log.info("embedding worker %d/%d on %s; %d PS replicas%s", replica_index, replica_size, self.address,
+                 len(self.ps), "" if colocated_ps is None else f", {colocated_ps.address} in this process")
         if bus is not None:
             self._register_nats(bus)
 
@@ -171,7 +181,9 @@ class EmbeddingWorker:
         if len(live) == 1:
             s = live[0]
             return [self.ps[s].call(method, requests[s]) if i == s else None for i in range(len(requests))]
-        futures = [None if r is None else self.ps[s].future(method, r) for s, r in enumerate(requests)]
+        futures: list = [None] * len(requests)
+        for s in sorted(live, key=lambda s: isinstance(self.ps[s], InProcessPs)):  # remote calls first
+            futures[s] = self.ps[s].future(method, requests[s])
         return [None if f is None else self.ps[s].result(method, f) for s, f in enumerate(futures)]
 
     def _lookup_requests(self, prepared: pipeline.PreparedBatch, train: bool,
