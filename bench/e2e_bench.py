@@ -407,19 +407,25 @@ def run_profile(
             skip_reason[key] = rec["reason"]
 
     path_cpu: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
+    path_cpu_colocated = path_cpu
     if profile.path_cpu_rows and not only_latency and models is None:
         if launcher is None:
             path_cpu = {"status": "skipped", "reason": f"not yet measured: {persia_reason or 'not run: --systems leaves out our system'}"}
         else:
             from bench.path_cpu import measure_pairs
 
-            try:
-                path_cpu = {"status": "ok", **measure_pairs(
-                    launcher, data_dir, *profile.path_cpu_rows, profile.repeats, logs_dir,
-                    staleness=profile.hybrid_staleness, nn_threads=profile.persia_nn_threads or 2,
-                    batch_size=profile.batch_size, log=log)}
-            except RuntimeError as exc:
-                path_cpu = {"status": "failed", "reason": str(exc)}
+            def path(colocate_ps: bool) -> dict[str, Any]:
+                try:
+                    return {"status": "ok", **measure_pairs(
+                        launcher, data_dir, *profile.path_cpu_rows, profile.repeats, logs_dir,
+                        staleness=profile.hybrid_staleness, nn_threads=profile.persia_nn_threads or 2,
+                        batch_size=profile.batch_size, log=log, colocate_ps=colocate_ps)}
+                except RuntimeError as exc:
+                    return {"status": "failed", "reason": str(exc)}
+
+            path_cpu = path(colocate_ps=False)
+            # each PS replica inside its embedding worker's process (persia-launcher local --colocate-ps)
+            path_cpu_colocated = path(colocate_ps=True)
 
     adult: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
     if profile.adult_income and not only_latency:
@@ -455,6 +461,7 @@ def run_profile(
         "runs": runs,
         "adult_income": adult,
         "path_cpu": path_cpu,
+        "path_cpu_colocated": path_cpu_colocated,
         "total_seconds": time.perf_counter() - t0,
     }
     report_docs: Path | None = docs_dir

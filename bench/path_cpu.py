@@ -27,12 +27,15 @@ from synthetic_ctr.generate import generate_dataset
 EMBEDDING_PATH_ROLES = ("data-loader", "embedding-worker", "ps", "nats")
 
 
-def marginal_us_per_sample(small: dict[str, dict], large: dict[str, dict], rows: int) -> dict[str, float]:
+def marginal_us_per_sample(small: dict[str, dict], large: dict[str, dict], rows: int,
+                           colocate_ps: bool = False) -> dict[str, float]:
     """Per role present in both runs: (CPU large - CPU small) / rows, in µs; plus the embedding
-    path's sum and every role's sum. Pure, so the arithmetic is tested without running anything."""
+    path's sum and every role's sum. Pure, so the arithmetic is tested without running anything.
+    ``colocate_ps``: the PS ran inside the embedding worker's process, whose figure holds both."""
     if rows <= 0:
         raise ValueError(f"rows must be positive, got {rows}")
-    missing = [r for r in EMBEDDING_PATH_ROLES + ("nn-worker",)
+    expected = tuple(r for r in EMBEDDING_PATH_ROLES if not (colocate_ps and r == "ps"))
+    missing = [r for r in expected + ("nn-worker",)
                if small.get(r, {}).get("cpu_s") is None or large.get(r, {}).get("cpu_s") is None]
     if missing:
         raise ValueError(f"no CPU figure for role(s) {missing} in one of the two runs")
@@ -53,7 +56,7 @@ def median_by_role(pairs: list[dict[str, float]]) -> dict[str, float]:
 
 def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: int, pairs: int, logs_dir: Path,
                   system: str = "persia-hybrid", staleness: int | None = 2, nn_threads: int = 2,
-                  batch_size: int = 256, log=print) -> dict[str, Any]:
+                  batch_size: int = 256, log=print, colocate_ps: bool = False) -> dict[str, Any]:
     """``pairs`` (small, large) runs of our system; per pair the marginal CPU per sample by role."""
     from bench.e2e_bench import command_for, execute  # late: e2e_bench reports through this module
 
@@ -63,27 +66,30 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
         for rows in (small_rows, large_rows):
             spec = RunSpec(system=system, data_dir=str(data_dir), mlp="mlp400", batch_size=batch_size, seed=i,
                            train_rows=rows, test_rows=2_000, eval_points=1, curve_eval_rows=1_000,
-                           staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads)
+                           staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads,
+                           colocate_ps=colocate_ps)
             argv, env = command_for(spec, launcher)
             rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-{i}-{rows}.log")
             if rec["status"] != "ok":
                 raise RuntimeError(f"path CPU run of {rows} rows failed: {rec.get('reason')}")
             got[rows] = rec
-        per = marginal_us_per_sample(got[small_rows]["memory"], got[large_rows]["memory"], large_rows - small_rows)
+        per = marginal_us_per_sample(got[small_rows]["memory"], got[large_rows]["memory"], large_rows - small_rows,
+                                     colocate_ps)
         load = max(r[k] for r in got.values() for k in ("loadavg_start", "loadavg_end"))
         runs.append({"us_per_sample": per, "load": load,
                      "samples_per_sec": got[large_rows]["result"].get("samples_per_sec")})
         log(f"path CPU pair {i + 1}/{pairs} (load {load:.1f}): " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
     label = f"{system} st={staleness}" if system == "persia-hybrid" else system
     return {
-        "configuration": f"{label} ps=1 ew=1 nn-threads={nn_threads}", "batch_size": batch_size,
+        "configuration": f"{label} ps=1 ew=1{' colocated' if colocate_ps else ''} nn-threads={nn_threads}",
+        "batch_size": batch_size, "colocate_ps": colocate_ps,
         "rows": [small_rows, large_rows], "pairs": runs,
         "median_us_per_sample": median_by_role([r["us_per_sample"] for r in runs]),
     }
 
 
 def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
-            nn_threads: int, batch_size: int, results_dir: Path, log=print) -> dict[str, Any]:
+            nn_threads: int, batch_size: int, results_dir: Path, log=print, colocate_ps: bool = False) -> dict[str, Any]:
     from bench.e2e_bench import PROFILES
 
     reason = launcher_unavailable_reason()
@@ -93,7 +99,7 @@ def measure(system: str, staleness: int | None, small_rows: int, large_rows: int
     data_dir = results_dir / "data" / profile.name
     generate_dataset(data_dir, profile.data)
     return measure_pairs(find_launcher(), data_dir, small_rows, large_rows, pairs, results_dir / "logs",
-                         system, staleness, nn_threads, batch_size, log)
+                         system, staleness, nn_threads, batch_size, log, colocate_ps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--nn-threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--colocate-ps", action="store_true", help="the PS inside the embedding worker's process")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--output", type=Path, help="JSON file (default: <results>/path_cpu.json)")
     a = p.parse_args(argv)
@@ -113,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pairs < 1:
         p.error(f"--pairs must be >= 1, got {a.pairs}")
     doc = measure(a.system, a.staleness, a.small_rows, a.large_rows, a.pairs, a.nn_threads, a.batch_size,
-                  a.results_dir)
+                  a.results_dir, colocate_ps=a.colocate_ps)
     out = a.output or a.results_dir / "path_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

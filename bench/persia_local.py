@@ -46,7 +46,10 @@ def launcher_unavailable_reason(timeout_s: float = 60.0) -> str | None:
     if proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         return f"{LAUNCHER} local --help exited {proc.returncode}: {last[0][:200]}"
-    return None
+    from persia.embedding_ps import kernels
+
+    # without it the PS falls back to numpy (and only logs so): figures that are not our system's
+    return kernels.unavailable_reason()
 
 
 def staleness_of(spec: RunSpec) -> int:
@@ -82,8 +85,10 @@ def launcher_argv(
     num_nn_workers: int = 1,
     num_data_loaders: int = 1,
     nn_threads: int | None = None,
+    colocate_ps: bool = False,
 ) -> list[str]:
     threads = ["--nn-threads", str(nn_threads)] if nn_threads else []
+    threads += ["--colocate-ps"] if colocate_ps else []
     return [
         launcher,
         "local",
@@ -101,7 +106,8 @@ def launcher_argv(
 
 def synthetic_command(spec: RunSpec, launcher: str) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one run of our system on the synthetic CTR data."""
-    argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads)
+    argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads,
+                         colocate_ps=spec.colocate_ps)
     env = example_settings(spec).to_env()
     if spec.staleness_warmup_steps is not None:
         env["PERSIA_STALENESS_WARMUP_STEPS"] = str(spec.staleness_warmup_steps)

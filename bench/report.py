@@ -229,7 +229,7 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
     )
     w(f"![test AUC over training]({IMG_AUC})\n")
 
-    w(render_path_cpu(doc.get("path_cpu") or {}))
+    w(render_path_cpu(doc.get("path_cpu") or {}, doc.get("path_cpu_colocated")))
     w("### CPU time per role\n")
     w(
         "CPU seconds (user + system, all threads) per process role, median over a configuration's runs, "
@@ -388,9 +388,22 @@ def plot_all(summary: list[dict[str, Any]], doc: dict[str, Any], docs_dir: Path)
     return written
 
 
-def render_path_cpu(pc: dict[str, Any]) -> str:
-    """The marginal CPU per training sample by role (bench/path_cpu.py)."""
+def render_path_cpu(pc: dict[str, Any], colocated: dict[str, Any] | None = None) -> str:
+    """The marginal CPU per training sample by role (bench/path_cpu.py); ``colocated``: the same
+    with each PS replica inside its embedding worker's process, as a second table."""
     out = ["### CPU per training sample, by role\n"]
+    if colocated is not None and colocated.get("status") == "ok":
+        out.append(_path_cpu_table(pc))
+        out.append("With each PS replica inside its embedding worker's process (`persia-launcher local "
+                   "--colocate-ps`: the worker calls it without gRPC), the embedding worker's column holds both:\n")
+        out.append(_path_cpu_table(colocated))
+        return "\n".join(out)
+    out.append(_path_cpu_table(pc))
+    return "\n".join(out)
+
+
+def _path_cpu_table(pc: dict[str, Any]) -> str:
+    out = []
     if pc.get("status") != "ok":
         out.append(f"Not measured: {pc.get('reason', 'no measurement in this run')}.\n")
         return "\n".join(out)
@@ -457,7 +470,7 @@ def write_report(doc: dict[str, Any], docs_dir: Path | None = DOCS_DIR, results_
     """e2e.json, and (unless ``docs_dir`` is None) the generated block of benchmarks.md and the plots."""
     summary = summarize(doc["runs"])
     head = headline(summary, doc.get("adult_income"), *headline_labels(doc), default=default_label(doc),
-                    path_cpu=doc.get("path_cpu"))
+                    path_cpu=doc.get("path_cpu"), path_cpu_colocated=doc.get("path_cpu_colocated"))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "e2e.json").write_text(json.dumps(head, indent=2, sort_keys=False) + "\n")
     if docs_dir is None:

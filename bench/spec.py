@@ -13,11 +13,13 @@ System = Literal["torch", "torchrec", "persia-hybrid", "persia-sync"]
 DEFAULT_HYBRID_STALENESS = 10
 
 
-def persia_label(system: str, staleness: int, num_ps: int = 1, num_embedding_workers: int = 1, nn_threads: int | None = None) -> str:
+def persia_label(system: str, staleness: int, num_ps: int = 1, num_embedding_workers: int = 1,
+                 nn_threads: int | None = None, colocate_ps: bool = False) -> str:
     """Name of one configuration of our system; the synchronous reference (staleness 1) has none."""
     bound = "" if system == "persia-sync" else f" st={staleness}"
     threads = f" nn-threads={nn_threads}" if nn_threads else ""
-    return f"{system}{bound} ps={num_ps} ew={num_embedding_workers}{threads}"
+    colocated = " colocated" if colocate_ps else ""
+    return f"{system}{bound} ps={num_ps} ew={num_embedding_workers}{colocated}{threads}"
 
 
 class RunSpec(BaseModel):
@@ -46,6 +48,8 @@ class RunSpec(BaseModel):
     staleness_warmup_steps: int | None = Field(default=None, ge=0)
     num_ps: int = Field(default=1, ge=1)
     num_embedding_workers: int = Field(default=1, ge=1)
+    # each embedding worker runs its PS replica in its own process (persia-launcher local --colocate-ps)
+    colocate_ps: bool = False
     timeout_s: float = Field(default=600.0, gt=0)
 
     @property
@@ -61,6 +65,7 @@ class RunSpec(BaseModel):
     def label(self) -> str:
         """Short name of the configuration (what the median groups by: everything but the seed)."""
         if self.system.startswith("persia"):
-            return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers, self.nn_threads)
+            return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers,
+                                self.nn_threads, self.colocate_ps)
         fused = " fused" if self.fused else ""
         return f"{self.system}{fused} threads={self.threads}"

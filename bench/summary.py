@@ -211,6 +211,7 @@ def _missing(deps: list[tuple[str, dict[str, Any] | None, str]]) -> str:
 def headline(
     summary: list[dict[str, Any]], adult: dict[str, Any] | None, hybrid: str = HYBRID, sync: str = SYNC,
     default: str | None = None, path_cpu: dict[str, Any] | None = None,
+    path_cpu_colocated: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The figures for bench/results/e2e.json; every null has its reason under ``notes``.
     ``path_cpu``: bench/path_cpu.py's measurement (``embedding_path_us_per_sample``).
@@ -277,6 +278,8 @@ def headline(
     h["embedding_path_configuration"] = path_cpu.get("configuration")
     if per_role is None:
         notes["embedding_path_us_per_sample"] = path_cpu.get("reason") or NOT_MEASURED
+    if path_cpu_colocated is not None and path_cpu_colocated.get("status") == "ok":  # --colocate-ps
+        h["embedding_path_us_per_sample_colocated"] = path_cpu_colocated["median_us_per_sample"].get("embedding_path")
     h["targets"] = check_targets(h)
     h["notes"] = notes
     return h

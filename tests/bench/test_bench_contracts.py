@@ -98,6 +98,23 @@ def test_unusable_launcher_is_reported_with_its_error(tmp_path, monkeypatch):
     assert persia_local.launcher_unavailable_reason() == "persia-launcher is not installed"
 
 
+def test_a_stale_ps_kernel_stops_our_runs_naming_it(tmp_path, monkeypatch):
+    # the PS would fall back to numpy, logging it only: figures that are not our system's
+    import bench.persia_local as persia_local
+    from persia.embedding_ps import kernels
+
+    fine = tmp_path / "persia-launcher"
+    fine.write_text("#!/bin/sh\nexit 0\n")
+    fine.chmod(0o755)
+    monkeypatch.setattr(persia_local, "find_launcher", lambda: str(fine))
+    assert persia_local.launcher_unavailable_reason() is None  # the kernel built here is current
+    monkeypatch.setattr(kernels, "_kernels", None)
+    monkeypatch.setattr(kernels, "_STALE", kernels.stale_reason(type("Old", (), {})()))
+    assert "interface 1, this code needs" in persia_local.launcher_unavailable_reason()
+    monkeypatch.setattr(kernels, "_STALE", None)
+    assert "is not built" in persia_local.launcher_unavailable_reason()
+
+
 def test_labels_name_the_staleness_bound_and_thread_setting():
     assert RunSpec(system="persia-hybrid", data_dir="d").label == "persia-hybrid st=10 ps=1 ew=1"
     assert RunSpec(system="persia-hybrid", data_dir="d", staleness=2, nn_threads=2).label == "persia-hybrid st=2 ps=1 ew=1 nn-threads=2"

@@ -25,6 +25,15 @@ def test_a_role_missing_from_one_run_is_an_error_not_a_smaller_sum():
         marginal_us_per_sample(small, large, 100_000)
 
 
+def test_with_the_ps_colocated_its_cpu_is_the_embedding_workers_and_no_ps_role_is_required():
+    small = roles(data_loader=2.0, embedding_worker=4.5, nats=0.2, nn_worker=10.0)
+    large = roles(data_loader=2.6, embedding_worker=7.8, nats=0.5, nn_worker=16.0)
+    out = marginal_us_per_sample(small, large, 100_000, colocate_ps=True)
+    assert out["embedding_path"] == pytest.approx(6 + 33 + 3) and "ps" not in out
+    with pytest.raises(ValueError, match=r"\['ps'\]"):  # the separate topology still needs its PS figure
+        marginal_us_per_sample(small, large, 100_000)
+
+
 def test_median_over_pairs_per_role():
     assert median_by_role([{"ps": 1.0}, {"ps": 3.0}, {"ps": 2.0, "nats": 1.0}]) == {"nats": 1.0, "ps": 2.0}
 
@@ -70,3 +79,16 @@ def test_latency_hybrid_runs_skip_the_warm_up_and_the_launcher_env_says_so():
     assert env["PERSIA_STALENESS_WARMUP_STEPS"] == "0"
     models = [p.spec for p in plan(PROFILES["full"], "/data", parts=frozenset({"models"}))]
     assert all(s.staleness_warmup_steps is None for s in models)  # the model groups keep the default ramp
+
+
+def test_the_colocated_measurement_is_a_second_table_and_its_own_key():
+    from bench.report import render_path_cpu
+    from bench.summary import headline
+
+    colocated = _measured(14.0)
+    colocated["configuration"] = "persia-hybrid st=2 ps=1 ew=1 colocated nn-threads=2"
+    text = render_path_cpu(_measured(20.0), colocated)
+    assert text.count("| **median** |") == 2 and "--colocate-ps" in text and "ew=1 colocated" in text
+    h = headline([], None, path_cpu=_measured(20.0), path_cpu_colocated=colocated)
+    assert h["embedding_path_us_per_sample"] == 20.0 and h["embedding_path_us_per_sample_colocated"] == 14.0
+    assert "embedding_path_us_per_sample_colocated" not in headline([], None, path_cpu=_measured(20.0))

@@ -53,6 +53,7 @@ __all__ = [
     "stale_reason",
     "ENV_PURE_NUMPY",
     "available",
+    "unavailable_reason",
     "default_use_kernel",
     "resolve_use_kernel",
     "locate",
@@ -70,6 +71,13 @@ ENV_PURE_NUMPY = "PERSIA_PS_PURE_NUMPY"
 def available() -> bool:
     """Whether the compiled extension was built and imports."""
     return _kernels is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the compiled extension is not in use (stale or not built), or None when it is."""
+    if _kernels is not None:
+        return None
+    return _STALE or "persia.embedding_ps._kernels is not built (make venv, or pip install -e .)"
 
 
 def default_use_kernel() -> bool:
