@@ -46,6 +46,7 @@ class SystemPlan:
     staleness: int | None = None  # persia-hybrid only; None: the profile's hybrid_staleness
     nn_threads: int | None = None  # our system only; None: the profile's persia_nn_threads
     fused: bool = False  # torch only: torch's own optimizers instead of the PS's formula
+    colocate_ps: bool = False  # our system only: the PS inside the embedding worker's process
 
 
 LAUNCHER_BUDGET = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's budget
@@ -136,6 +137,7 @@ _SYSTEMS_MLP400 = (
     SystemPlan("persia-hybrid"),  # the profile's hybrid_staleness: the headline configuration
     SystemPlan("persia-hybrid", staleness=10),  # PERSIA's examples' bound, for comparison
     SystemPlan("persia-sync"),
+    SystemPlan("persia-hybrid", colocate_ps=True),  # the headline with --colocate-ps
 )
 _SYSTEMS_B1024 = (
     SystemPlan("torch", threads=2, repeats=1),  # the AUC reference
@@ -234,6 +236,7 @@ def _spec(s: SystemPlan, profile: Profile, data_dir: str, mlp: str, seed: int, t
         staleness=(s.staleness or profile.hybrid_staleness) if s.system == "persia-hybrid" else None,
         nn_threads=_nn_threads(s, profile),
         fused=s.fused,
+        colocate_ps=s.colocate_ps,
         timeout_s=profile.run_timeout_s,
     )
 

@@ -180,7 +180,7 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "up from 1 over the first steps, 1 for the first 200 by default; within it the DataLoader looks up "
         "just far enough ahead to hide the lookup latency, at most 4 batches); `persia-sync` = "
         "staleness 1 (the update is applied before the next lookup), the synchronous reference; "
-        "`ps=N ew=N` = PS and embedding-worker replicas; `nn-threads=T` = `persia-launcher local "
+        "`ps=N ew=N` = PS and embedding-worker replicas; `colocated` = `--colocate-ps`, each PS replica inside its embedding worker's process, called without gRPC; `nn-threads=T` = `persia-launcher local "
         f"--nn-threads T` (without it the launcher's budget applies: 1 NN thread on 2 cores, one core "
         f"kept for the other roles). This profile runs our system with "
         f"{'`--nn-threads ' + str(threads) + '`' if threads else 'the launcher budget'} unless a label says otherwise."

@@ -20,6 +20,12 @@ def sync_label(nn_threads: int | None = None) -> str:
     return persia_label("persia-sync", 1, nn_threads=nn_threads)
 
 
+def colocated_label(label: str) -> str:
+    """The same configuration with each PS replica inside its embedding worker (``--colocate-ps``)."""
+    head, sep, tail = label.partition(" nn-threads=")
+    return f"{head} colocated{sep}{tail}"
+
+
 HYBRID = hybrid_label()
 SYNC = sync_label()
 NOT_MEASURED = "not yet measured"
@@ -228,6 +234,7 @@ def headline(
         get[mlp, "baseline"] = baseline(summary, mlp)
         get[mlp, "torchrec"] = next((s for s in summary if s["mlp"] == mlp and s["system"] == "torchrec"), None)
     b4, h4, s4 = get["mlp400", "baseline"], get["mlp400", "hybrid"], get["mlp400", "sync"]
+    c4 = find(summary, "mlp400", colocated_label(hybrid))
     r4 = reference_baseline(summary, "mlp400")
     bK, hK = baseline(summary, "mlp400_b1024"), find(summary, "mlp400_b1024", hybrid)
     d4, h30, s30 = find(summary, "mlp400", default), find(summary, "mlp400_30steps", default), find(summary, "mlp400_30steps", sync)
@@ -238,6 +245,7 @@ def headline(
     adult = adult or {}
     figures: dict[str, tuple[Any, list[tuple[str, dict[str, Any] | None, str]]]] = {
         "ratio_mlp400": (ratio(h4, b4), [(hybrid, h4, sps), (BASELINE, b4, sps)]),
+        "ratio_mlp400_colocated": (ratio(c4, b4), [(colocated_label(hybrid), c4, sps), (BASELINE, b4, sps)]),
         "ratio_mlp400_b1024": (ratio(hK, bK), [(f"batch 1024 {hybrid}", hK, sps), (f"batch 1024 {BASELINE}", bK, sps)]),
         "ratio_ffnn": (ratio(hF, bF), [(f"ffnn {hybrid}", hF, sps), (f"ffnn {BASELINE}", bF, sps)]),
         "auc_gap_hybrid_sync": (paired_gap(d4, s4), [(default, d4, auc), (sync, s4, auc)]),

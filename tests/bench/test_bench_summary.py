@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from bench.e2e_bench import LAUNCHER_BUDGET, PROFILES, LatencyPlan, ModelPlan, Profile, SystemPlan, plan, plan_runs
-from bench.summary import HYBRID, SYNC, headline, hybrid_label, latency_rows, mean_curve, summarize, sync_label
+from bench.e2e_bench import command_for
+from bench.summary import (HYBRID, SYNC, colocated_label, headline, hybrid_label, latency_rows, mean_curve, summarize,
+                           sync_label)
 from synthetic_ctr.manifest import GeneratorConfig
 
 
@@ -50,6 +52,10 @@ def test_full_profile_measures_every_configuration_the_issue_asks_for():
         for label in (hybrid, sync):
             seeds = {p.spec.seed for p in planned if p.spec.label == label and p.group == group}
             assert seeds == {0, 1, 2}  # the AUC gap is averaged over 3 seeds
+    colocated = [p.spec for p in planned if p.spec.colocate_ps]  # the headline again, with --colocate-ps
+    assert {(p.label, p.seed) for p in colocated} == {(colocated_label(hybrid), k) for k in range(3)}
+    assert "--colocate-ps" in command_for(colocated[0], "persia-launcher")[0]
+    assert not any(p.spec.colocate_ps for p in planned if p.group != "mlp400")
     assert {p.spec.batch_size for p in planned if p.group == "mlp400_b1024"} == {1024}
     assert {p.spec.batch_size for p in planned if p.group != "mlp400_b1024"} == {full.batch_size}
     assert {p.spec.train_rows for p in planned if p.group == "mlp400_30steps"} == {30 * full.batch_size}
@@ -108,6 +114,9 @@ def test_fused_baseline_counts_for_speed_and_the_ps_formula_for_auc():
     assert h["baseline_mlp400"] == "torch fused threads=2" and h["ratio_mlp400"] == 0.75
     assert h["baseline_auc_mlp400"] == 0.800 and abs(h["auc_gap_baseline_sync"] + 0.001) < 1e-12
     assert h["ratio_mlp400_b1024"] is None and h["notes"]["ratio_mlp400_b1024"].startswith("not yet measured")
+    assert h["ratio_mlp400_colocated"] is None
+    runs.append(_run("mlp400", colocated_label(HYBRID), 0, 96.0, 0.8))
+    assert headline(summarize(runs), None)["ratio_mlp400_colocated"] == 0.8
 
 
 def test_system_plans_resolve_staleness_and_threads_from_the_profile():
