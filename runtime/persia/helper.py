@@ -105,6 +105,7 @@ class PersiaServiceCtx:
         self._in_body = False
         self._body_lock = threading.Lock()  # no interrupt is sent once __exit__ has begun
         self._main_ident: int | None = None
+        self._saved_sigint = None  # the SIGINT handler the block replaced (main thread only)
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
 
@@ -116,6 +117,8 @@ class PersiaServiceCtx:
             self._shutdown()
             raise
         self._main_ident = threading.get_ident() if threading.current_thread() is threading.main_thread() else None
+        if self._main_ident is not None:  # our interrupt must not depend on the process's SIGINT handler
+            self._saved_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         self._in_body = True
         self._monitor = threading.Thread(target=self._watch, name="persia-helper-watch", daemon=True)
         self._monitor.start()
@@ -202,6 +205,15 @@ class PersiaServiceCtx:
                 return f"{name} exited with code {p.exitcode}"
         return None
 
+    def _on_sigint(self, signum, frame) -> None:
+        """The block's SIGINT handler: our own interrupt (a failure was recorded) always raises;
+        any other SIGINT goes to the handler that was there before (a user's Ctrl-C handling)."""
+        prev = self._saved_sigint
+        if self._failure is not None or prev in (signal.SIG_DFL, None):
+            raise KeyboardInterrupt
+        if callable(prev):
+            prev(signum, frame)
+
     def _watch(self) -> None:
         while not self._stop.wait(0.2):
             failure = self._dead_server() or self._failed_child()
@@ -226,6 +238,8 @@ class PersiaServiceCtx:
         self._stop.set()
         if self._monitor is not None:
             self._monitor.join()
+        if self._main_ident is not None:
+            signal.signal(signal.SIGINT, self._saved_sigint)
         failures = [self._failure] if self._failure else []
         if exc_type is None:
             deadline = time.monotonic() + self.join_timeout_s

@@ -6,6 +6,7 @@ Real nats-server, real PS and embedding-worker processes, data-loader functions 
 from __future__ import annotations
 
 import os
+import signal
 import threading
 
 import numpy as np
@@ -79,6 +80,22 @@ def test_a_dead_child_interrupts_the_block_with_its_name():
         with PersiaServiceCtx(data_loader_func=_data_loader, nn_worker_func=_crash_as_rank_0,
                               embedding_config=EMBEDDING_CONFIG):
             blocked.wait(120)  # what a training loop waiting for batches does; the helper wakes it
+
+
+def test_a_dead_child_interrupts_the_block_whatever_sigint_handler_the_process_has():
+    # An earlier test or the user's own code may have replaced SIGINT's handler; the helper's
+    # interrupt must still end the block (in the full suite it once waited the whole 120 s).
+    blocked, waited = threading.Event(), []
+    before = signal.signal(signal.SIGINT, lambda *_: None)
+    try:
+        with pytest.raises(ServiceFailed, match="nn-worker-0 exited with code 3"):
+            with PersiaServiceCtx(data_loader_func=_data_loader, nn_worker_func=_crash_as_rank_0,
+                                  embedding_config=EMBEDDING_CONFIG):
+                waited.append(blocked.wait(120))  # never reached when the interrupt works
+        assert waited == []
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler  # the user's is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def test_bad_arguments_fail_before_anything_starts():
