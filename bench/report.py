@@ -391,14 +391,11 @@ def plot_all(summary: list[dict[str, Any]], doc: dict[str, Any], docs_dir: Path)
 def render_path_cpu(pc: dict[str, Any], colocated: dict[str, Any] | None = None) -> str:
     """The marginal CPU per training sample by role (bench/path_cpu.py); ``colocated``: the same
     with each PS replica inside its embedding worker's process, as a second table."""
-    out = ["### CPU per training sample, by role\n"]
+    out = ["### CPU per training sample, by role\n", _path_cpu_table(pc)]
     if colocated is not None and colocated.get("status") == "ok":
-        out.append(_path_cpu_table(pc))
         out.append("With each PS replica inside its embedding worker's process (`persia-launcher local "
                    "--colocate-ps`: the worker calls it without gRPC), the embedding worker's column holds both:\n")
         out.append(_path_cpu_table(colocated))
-        return "\n".join(out)
-    out.append(_path_cpu_table(pc))
     return "\n".join(out)
 
 
