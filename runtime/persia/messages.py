@@ -14,7 +14,7 @@ import os
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
 MAX_BATCH_SIZE = int(os.environ.get("PERSIA_MAX_BATCH_SIZE", 65535))
 """Samples per batch (the embedding worker already refused more on the NATS path)."""
@@ -187,10 +187,29 @@ class PsLookup(_Msg):
     tables: Annotated[list[PsTable], Field(max_length=MAX_ITEMS)]
 
 
+def check_grad_table(dim: Any, signs: Any, grads: Any) -> None:
+    """A PS gradient table is ``(len(signs), dim)`` gradients: ValueError naming the field and
+    the values otherwise. The PS applies a table to the rows of its declared ``dim``; a gradient
+    of another width would update (and count as missing) rows of another table. Checked in the
+    schema (every request, gRPC or in-process) and by the PS before it applies any table."""
+    shape, n = tuple(np.shape(grads)), len(signs)
+    if len(shape) != 2:
+        raise ValueError(f"field 'grads' must be 2-D (len(signs)={n}, dim={dim!r}), got shape {shape}")
+    if shape[1] != dim:
+        raise ValueError(f"field 'dim' is {dim!r} but field 'grads' has {shape[1]} columns (shape {shape})")
+    if shape[0] != n:
+        raise ValueError(f"field 'grads' has {shape[0]} rows (shape {shape}) for the {n} IDs of field 'signs'")
+
+
 class PsGradTable(_Msg):
     dim: Dim
     signs: IdArray
     grads: Annotated[Any, _array("f", 2)]
+
+    @model_validator(mode="after")
+    def _shape_matches(self) -> "PsGradTable":
+        check_grad_table(self.dim, self.signs, self.grads)
+        return self
 
 
 class PsUpdate(_Msg):
@@ -245,6 +264,9 @@ def _describe(exc: ValidationError) -> str:
             parts.append(f"field {loc!r} is missing")
             continue
         value = err.get("input")
+        if isinstance(value, dict):  # a whole table: the message names the values that matter
+            parts.append(f"field {loc!r}: {err['msg']}")
+            continue
         shown = f"array{getattr(value, 'shape', '')}" if isinstance(value, np.ndarray) else repr(value)
         parts.append(f"field {loc!r}: {err['msg']} (got {shown[:80]})")
     return "; ".join(parts)

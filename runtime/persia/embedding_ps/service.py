@@ -230,8 +230,14 @@ class EmbeddingParameterServer:
                 f"PS replica {self.replica_index} got gradients before an optimizer was registered"
             )
         t0 = time.perf_counter()
+        tables = req["tables"]
+        for i, t in enumerate(tables):  # every table before any is applied: a refused request changes nothing
+            try:
+                M.check_grad_table(t["dim"], t["signs"], t["grads"])
+            except ValueError as exc:
+                raise ValueError(f"PS replica {self.replica_index}, tables[{i}]: {exc}") from None
         missing = 0
-        for t in req["tables"]:
+        for t in tables:
             signs = np.asarray(t["signs"], dtype=np.uint64)
             missing += self.store.update(signs, np.asarray(t["grads"], dtype=np.float32))
         self.metrics.observe("ps_update_time_cost_sec", time.perf_counter() - t0)

@@ -19,6 +19,7 @@ from typing import Any
 
 from persia import rpc
 from persia.errors import RemoteError
+from persia.messages import validate
 
 
 class InProcessPs:
@@ -26,20 +27,23 @@ class InProcessPs:
     this process: no serialization, no gRPC, no thread hand-off. A handler's error comes back as
     the same :class:`RemoteError` (same ``kind``) a gRPC answer would have given.
 
-    Requests are not checked against the wire schemas: they are built by the worker in this
-    process, never read from the network."""
+    Requests are checked against the same wire schemas as over gRPC (``persia.messages``, about
+    5 us for a Step of three dims): they are built in this process, but a request the gRPC path
+    would refuse (a gradient whose width is not its ``dim``, a signed ID array) must not be
+    applied here, or a colocated replica would quietly differ from the others."""
 
     def __init__(self, address: str, service: str, methods: dict[str, rpc.Method]):
         self.address = address
         self.service = service
-        self._methods = {name: (m[0] if isinstance(m, tuple) else m) for name, m in methods.items()}
+        self._methods = {name: (m if isinstance(m, tuple) else (m, None)) for name, m in methods.items()}
 
     def call(self, name: str, request: Any = None, timeout: float = 60.0) -> Any:
-        fn = self._methods.get(name)
-        if fn is None:
+        method = self._methods.get(name)
+        if method is None:
             raise RemoteError(f"{self.service}/{name}@{self.address}", "Method not found!", kind="UNIMPLEMENTED")
+        fn, schema = method
         try:
-            return fn(request)
+            return fn(validate(schema, request, f"{self.service}/{name}"))
         except Exception as exc:  # noqa: BLE001 - answered as gRPC would answer it
             code, detail = rpc.error_status(exc)
             raise RemoteError(f"{self.service}/{name}@{self.address}", detail, kind=code) from exc
