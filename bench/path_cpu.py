@@ -69,7 +69,7 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
                            staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads,
                            colocate_ps=colocate_ps)
             argv, env = command_for(spec, launcher)
-            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-{i}-{rows}.log")
+            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-b{batch_size}{'-colocated' if colocate_ps else ''}-{i}-{rows}.log")
             if rec["status"] != "ok":
                 raise RuntimeError(f"path CPU run of {rows} rows failed: {rec.get('reason')}")
             got[rows] = rec

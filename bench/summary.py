@@ -217,10 +217,13 @@ def _missing(deps: list[tuple[str, dict[str, Any] | None, str]]) -> str:
 def headline(
     summary: list[dict[str, Any]], adult: dict[str, Any] | None, hybrid: str = HYBRID, sync: str = SYNC,
     default: str | None = None, path_cpu: dict[str, Any] | None = None,
-    path_cpu_colocated: dict[str, Any] | None = None,
+    path_cpu_colocated: dict[str, Any] | None = None, path_cpu_b1024: dict[str, Any] | None = None,
+    cores: int | None = None,
 ) -> dict[str, Any]:
     """The figures for bench/results/e2e.json; every null has its reason under ``notes``.
-    ``path_cpu``: bench/path_cpu.py's measurement (``embedding_path_us_per_sample``).
+    ``path_cpu``: bench/path_cpu.py's measurement (``embedding_path_us_per_sample``); with
+    ``path_cpu_b1024`` (the same at batch 1024) and ``cores``, also ``cpu_bound``: what the cores
+    allow each throughput target at the measured CPU per sample.
     ``hybrid`` / ``sync`` label the headline hybrid configuration and its synchronous reference;
     ``default`` (None: ``hybrid``) the setting a PERSIA user gets, whose AUC gap the targets bound
     (``auc_gap_hybrid_sync``, ``auc_gap_30steps``)."""
@@ -288,9 +291,54 @@ def headline(
         notes["embedding_path_us_per_sample"] = path_cpu.get("reason") or NOT_MEASURED
     if path_cpu_colocated is not None and path_cpu_colocated.get("status") == "ok":  # --colocate-ps
         h["embedding_path_us_per_sample_colocated"] = path_cpu_colocated["median_us_per_sample"].get("embedding_path")
+    h["cpu_bound"] = cpu_bounds(cores, {"ratio_mlp400": (path_cpu, b4, h4), "ratio_mlp400_b1024": (path_cpu_b1024, bK, hK)})
     h["targets"] = check_targets(h)
     h["notes"] = notes
     return h
+
+
+def cpu_bound(cores: int, all_roles_us: float, baseline_sps: float, target_ratio: float,
+              measured_sps: float | None = None) -> dict[str, Any]:
+    """What the machine allows at the measured CPU cost, whatever the scheduling: with every role on
+    ``cores`` cores, samples/s can be at most ``cores / CPU seconds per sample`` (all roles, marginal).
+    A target whose ``bound_ratio`` is below it needs less CPU per sample (``needed_us_per_sample``),
+    not better scheduling; ``packing`` is how much of the bound the measured run reached. Pure."""
+    if cores <= 0 or all_roles_us <= 0 or baseline_sps <= 0 or target_ratio <= 0:
+        raise ValueError(f"cores, all_roles_us, baseline_sps and target_ratio must be positive, got "
+                         f"{cores}, {all_roles_us}, {baseline_sps}, {target_ratio}")
+    bound_sps = cores * 1e6 / all_roles_us
+    return {
+        "cpu_us_per_sample": all_roles_us,
+        "bound_sps": bound_sps,
+        "bound_ratio": bound_sps / baseline_sps,
+        "target_ratio": target_ratio,
+        "needed_us_per_sample": cores * 1e6 / (target_ratio * baseline_sps),
+        "measured_ratio": measured_sps / baseline_sps if measured_sps else None,
+        "packing": measured_sps / bound_sps if measured_sps else None,
+    }
+
+
+def cpu_bounds(cores: int | None, measured: dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None,
+                                                            dict[str, Any] | None]]) -> dict[str, dict[str, Any]]:
+    """``cpu_bound`` per throughput target key, from (path CPU measurement, baseline summary row,
+    our summary row); a key whose inputs are missing has ``{"missing": why}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, (pc, base, ours) in measured.items():
+        per_role = pc.get("median_us_per_sample") if pc and pc.get("status") == "ok" else None
+        all_roles = per_role.get("all_roles") if per_role else None
+        if not cores:
+            out[key] = {"missing": "no CPU count"}
+        elif all_roles is None:
+            out[key] = {"missing": (pc or {}).get("reason") or "no path CPU measurement"}
+        elif all_roles <= 0:  # start-up noise larger than the rows' CPU (the smoke profile's few rows)
+            out[key] = {"missing": f"marginal CPU per sample not positive ({all_roles:.1f} µs): too few rows"}
+        elif not base or not base.get("sps_median"):
+            out[key] = {"missing": "no baseline run"}
+        else:
+            out[key] = {"configuration": pc.get("configuration"), "batch_size": pc.get("batch_size"),
+                        **cpu_bound(cores, all_roles, base["sps_median"], TARGETS[key][1],
+                                    ours.get("sps_median") if ours else None)}
+    return out
 
 
 def check_targets(h: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -92,3 +92,54 @@ def test_the_colocated_measurement_is_a_second_table_and_its_own_key():
     h = headline([], None, path_cpu=_measured(20.0), path_cpu_colocated=colocated)
     assert h["embedding_path_us_per_sample"] == 20.0 and h["embedding_path_us_per_sample_colocated"] == 14.0
     assert "embedding_path_us_per_sample_colocated" not in headline([], None, path_cpu=_measured(20.0))
+
+
+def test_cpu_bound_is_cores_over_cpu_per_sample_and_says_what_a_target_needs():
+    from bench.summary import cpu_bound
+
+    b = cpu_bound(2, 80.0, 50_000.0, 0.6, measured_sps=20_000.0)
+    assert b["bound_sps"] == pytest.approx(25_000.0) and b["bound_ratio"] == pytest.approx(0.5)
+    assert b["needed_us_per_sample"] == pytest.approx(2e6 / 30_000)  # 0.6 x 50k samples/s on 2 cores
+    assert b["measured_ratio"] == pytest.approx(0.4) and b["packing"] == pytest.approx(0.8)
+    assert cpu_bound(2, 80.0, 50_000.0, 0.6)["packing"] is None
+    with pytest.raises(ValueError, match="must be positive"):
+        cpu_bound(2, 0.0, 50_000.0, 0.6)
+
+
+def _summary_row(mlp: str, label: str, system: str, sps: float) -> dict:
+    return {"mlp": mlp, "label": label, "system": system, "sps_median": sps, "auc_mean": 0.8, "auc_std": None,
+            "ok": 3, "runs": 3, "auc_by_seed": {}}
+
+
+def test_headline_bounds_each_throughput_target_from_its_own_path_measurement():
+    from bench.report import render_cpu_bound
+    from bench.summary import HYBRID, headline
+
+    summary = [_summary_row("mlp400", "torch threads=2", "torch", 50_000.0),
+               _summary_row("mlp400", HYBRID, "persia-hybrid", 24_000.0),
+               _summary_row("mlp400_b1024", "torch threads=2", "torch", 40_000.0)]
+    b1024 = _measured(10.0)
+    b1024["median_us_per_sample"] = {**b1024["median_us_per_sample"], "all_roles": 40.0}
+    b1024["batch_size"] = 1024
+    h = headline(summary, None, path_cpu=_measured(20.0), path_cpu_b1024=b1024, cores=2)
+    b256, bK = h["cpu_bound"]["ratio_mlp400"], h["cpu_bound"]["ratio_mlp400_b1024"]
+    assert b256["bound_sps"] == pytest.approx(2e6 / 70.0) and b256["packing"] == pytest.approx(24_000 * 70.0 / 2e6)
+    assert bK["bound_ratio"] == pytest.approx(50_000 / 40_000) and bK["packing"] is None  # no hybrid run at 1024
+    text = render_cpu_bound(h["cpu_bound"], 2)
+    assert "| 50,000 | 70.0 | 28,571 | 0.571 | >= 0.6 | 66.7 | 0.480 | 0.84 |" in text
+    assert "batch 1024 | 40,000 | 40.0 | 50,000 | 1.250 | >= 0.8 |" in text
+    missing = headline(summary, None, path_cpu=_measured(20.0), cores=2)["cpu_bound"]["ratio_mlp400_b1024"]
+    assert missing == {"missing": "no path CPU measurement"}
+    assert "not measured: no path CPU measurement" in render_cpu_bound({"ratio_mlp400_b1024": missing}, 2)
+    assert headline(summary, None, path_cpu=_measured(20.0))["cpu_bound"]["ratio_mlp400"] == {"missing": "no CPU count"}
+    noisy = _measured(20.0)  # a few rows: start-up noise larger than their CPU
+    noisy["median_us_per_sample"] = {**noisy["median_us_per_sample"], "all_roles": -200.0}
+    assert "not positive (-200.0 µs)" in headline(summary, None, path_cpu=noisy, cores=2)["cpu_bound"]["ratio_mlp400"]["missing"]
+
+
+def test_the_full_profile_measures_the_path_at_both_batch_sizes():
+    from bench.e2e_bench import PROFILES
+
+    full = PROFILES["full"]
+    assert full.path_cpu_rows and full.path_cpu_b1024_rows
+    assert full.path_cpu_b1024_rows[0] < full.path_cpu_b1024_rows[1] <= full.data.train_rows
