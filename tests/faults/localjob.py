@@ -15,14 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "adult-income"
 SLOW_LOADER = Path(__file__).resolve().parent / "slow_loader.py"
+TRAINER = EXAMPLE / "train.py"
 
 
 class LocalRun:
     def __init__(self, *flags: str, loader: Path = SLOW_LOADER, env: dict[str, str] | None = None,
-                 job: str = "faults"):
+                 job: str = "faults", trainer: Path = TRAINER):
         cmd = [
             sys.executable, "-m", "persia.launcher", "local",
-            "--nn-worker", str(EXAMPLE / "train.py"), "--data-loader", str(loader),
+            "--nn-worker", str(trainer), "--data-loader", str(loader),
             "--embedding-config", str(EXAMPLE / "config" / "embedding_config.yml"),
             "--global-config", str(EXAMPLE / "config" / "global_config.yml"),
             "--no-progress", "--job-name", job, *flags,
@@ -48,6 +49,10 @@ class LocalRun:
 
     def wait_for(self, pattern: str, deadline_s: float = 120.0, start: int = 0) -> re.Match:
         """The first line (from index ``start``) matching ``pattern``; fails the test at the deadline."""
+        return self.wait_index(pattern, deadline_s, start)[1]
+
+    def wait_index(self, pattern: str, deadline_s: float = 120.0, start: int = 0) -> tuple[int, re.Match]:
+        """``wait_for``, with the index of the matching line (to search before or after it)."""
         rx = re.compile(pattern)
         end = time.monotonic() + deadline_s
         i = start
@@ -56,7 +61,7 @@ class LocalRun:
                 while i < len(self.lines):
                     m = rx.search(self.lines[i])
                     if m:
-                        return m
+                        return i, m
                     i += 1
                 left = end - time.monotonic()
                 if left <= 0 or (self.proc.poll() is not None and i >= len(self.lines)):

@@ -1,0 +1,114 @@
+"""Two NN ranks (DDP, `--nproc-per-node 2`) with periodic checkpoints: NN rank 1's training
+process SIGKILLed after a checkpoint is published restarts the whole job, which resumes from that
+checkpoint on both ranks. Real processes, real nats-server, real signals; adult-income with the
+paced loader (255 batches; batch id b goes to rank b % 2: 128 to rank 0, 127 to rank 1).
+
+What could go wrong and is checked: a rank resuming from another checkpoint (or not at all), the
+loader skipping the wrong number of batches per rank (some trained twice or never), a rank whose
+dense model is not the checkpoint's (rank 1 loads it on its own, not through DDP's broadcast), and
+accounting that does not add up to the stream on each rank.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.faults.localjob import LocalRun, children_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
+
+STREAM = 255
+PER_RANK = {0: 128, 1: 127}  # the loader's batches per NN rank (batch id % 2)
+INTERVAL = 20
+DIGEST_TRAINER = Path(__file__).resolve().parent / "digest_trainer.py"
+
+
+def rank_pid(run: LocalRun, rank: int, start: int = 0, deadline_s: float = 30.0) -> int:
+    """The pid of NN rank ``rank``'s training process (a child of the NN launcher, RANK in its env)."""
+    nn = run.pid_of("nn", start)
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        for pid in children_of(nn):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            if DIGEST_TRAINER.name.encode() in cmd and f"RANK={rank}".encode() in env:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"no training process of NN rank {rank} under the NN launcher {nn}")
+
+
+def lines_after(run: LocalRun, start: int, pattern: str) -> list[re.Match]:
+    rx = re.compile(pattern)
+    return [m for line in run.lines[start:] if (m := rx.search(line))]
+
+
+def test_nn_rank_1_killed_both_ranks_resume_from_the_checkpoint(tmp_path):
+    run = LocalRun("--nproc-per-node", "2", job="f-two-ranks", trainer=DIGEST_TRAINER,
+                   env={"PERSIA_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
+                        "PERSIA_CHECKPOINT_INTERVAL_STEPS": str(INTERVAL)})
+    try:
+        run.wait_for(rf"\[nn\].*checkpoint step {INTERVAL} published", deadline_s=180)
+        victim = rank_pid(run, 1)
+        killed_at = len(run.lines)
+        os.kill(victim, signal.SIGKILL)
+        restart, _ = run.wait_index(r"\[local\] nn exit code 137 \(SIGKILL\); restarting the job \(1/3\)",
+                                    start=killed_at)
+        assert "nn-worker rank 1 killed by SIGKILL" in "\n".join(run.lines[killed_at:restart + 1])
+        # the newest checkpoint published before the restart: the one the job must resume from
+        published = [int(m.group(1)) for line in run.lines[:restart]
+                     if (m := re.search(r"\[nn\].*checkpoint step (\d+) published", line))]
+        step = max(published)
+        assert step >= INTERVAL and step % INTERVAL == 0
+
+        # both ranks resume from it, with every rank's position: `step` batches each
+        for rank in (0, 1):
+            m = run.wait_for(rf"\[nn-worker-{rank}\] .*resumed from (\S+)/ckpt-(\d{{12}}): step (\d+), "
+                             rf"loader positions (\{{.*\}}) \(", start=restart)
+            assert (Path(m.group(1)), int(m.group(2)), int(m.group(3))) == (tmp_path / "ckpt", step, step), m.group(0)
+            assert ast.literal_eval(m.group(4)) == {"0": {"0": step, "1": step}}, m.group(0)
+        # the data loader skips exactly the 2 * step batches trained before
+        run.wait_for(rf"\[dl-0\] .*data loader 0 resumes after step {step} of \S+/ckpt-{step:012d}: "
+                     rf"skipping {2 * step} batches already trained", start=restart)
+
+        assert run.finish(240) == 0, run.text[-5000:]
+    finally:
+        run.kill()
+
+    # the dense model each rank resumed with, and ended with, is the same on both ranks
+    for when in ("resumed", "final"):
+        digests = {int(m.group(1)): (int(m.group(2)), m.group(3))
+                   for m in lines_after(run, restart, rf"DENSE_DIGEST rank (\d) {when} step (\d+): (\w+)")}
+        assert set(digests) == {0, 1} and digests[0] == digests[1], (when, digests)
+    assert digests[0][0] == PER_RANK[1]  # final step: the shorter rank's stream
+
+    # accounting after the restart: each rank got exactly its share of the stream minus what it
+    # trained before, and trained all of it (the longer rank drops its one uneven tail batch)
+    sent = lines_after(run, restart, r"data loader 0: end of stream after 1 epochs, (\d+) batches acknowledged, "
+                                     r"failed sends none")
+    assert [int(m.group(1)) for m in sent] == [STREAM - 2 * step]
+    trained = {}
+    for rank in (0, 1):
+        [m] = lines_after(run, restart, rf"NN rank {rank} batches: sent (\d+), trained (\d+), evaluated 0, "
+                                        rf"failed (\{{.*\}}) \(every acknowledged batch accounted for\)")
+        n_sent, n_trained, failed = int(m.group(1)), int(m.group(2)), ast.literal_eval(m.group(3))
+        assert n_sent == PER_RANK[rank] - step, (rank, m.group(0))
+        assert set(failed) <= {"uneven_tail"} and n_trained + sum(failed.values()) == n_sent, (rank, m.group(0))
+        trained[rank] = n_trained
+    assert trained[0] == trained[1] == PER_RANK[1] - step  # DDP ranks stay in step
+    assert 2 * step + sum(trained.values()) + (PER_RANK[0] - PER_RANK[1]) == STREAM
+
+    res = json.loads([line for line in run.lines if "PERSIA_RESULT " in line][-1].split("PERSIA_RESULT ", 1)[1])
+    assert (res["start_step"], res["train_steps"], res["world_size"]) == (step, trained[0], 2)
+    assert "restarting the job (2/3)" not in run.text
+    print(f"two ranks: resumed at step {step}, then {trained[0]} steps per rank; AUC {res['auc']:.4f}")
