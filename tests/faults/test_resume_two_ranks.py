@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -48,15 +49,29 @@ def rank_pid(run: LocalRun, rank: int, start: int = 0, deadline_s: float = 30.0)
     raise AssertionError(f"no training process of NN rank {rank} under the NN launcher {nn}")
 
 
+def result(run: LocalRun) -> dict:
+    return json.loads([line for line in run.lines if "PERSIA_RESULT " in line][-1].split("PERSIA_RESULT ", 1)[1])
+
+
 def lines_after(run: LocalRun, start: int, pattern: str) -> list[re.Match]:
     rx = re.compile(pattern)
     return [m for line in run.lines[start:] if (m := rx.search(line))]
 
 
-def test_nn_rank_1_killed_both_ranks_resume_from_the_checkpoint(tmp_path):
+@dataclass
+class KilledRun:
+    run: LocalRun
+    ckpt: Path
+    restart: int  # index of the line that says the job restarts
+    step: int  # the newest checkpoint published before it
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory) -> KilledRun:
+    """The two-rank job, NN rank 1 SIGKILLed once the first checkpoint is published, run to its end."""
+    ckpt = tmp_path_factory.mktemp("two-ranks") / "ckpt"
     run = LocalRun("--nproc-per-node", "2", job="f-two-ranks", trainer=DIGEST_TRAINER,
-                   env={"PERSIA_CHECKPOINT_DIR": str(tmp_path / "ckpt"),
-                        "PERSIA_CHECKPOINT_INTERVAL_STEPS": str(INTERVAL)})
+                   env={"PERSIA_CHECKPOINT_DIR": str(ckpt), "PERSIA_CHECKPOINT_INTERVAL_STEPS": str(INTERVAL)})
     try:
         run.wait_for(rf"\[nn\].*checkpoint step {INTERVAL} published", deadline_s=180)
         victim = rank_pid(run, 1)
@@ -65,25 +80,28 @@ def test_nn_rank_1_killed_both_ranks_resume_from_the_checkpoint(tmp_path):
         restart, _ = run.wait_index(r"\[local\] nn exit code 137 \(SIGKILL\); restarting the job \(1/3\)",
                                     start=killed_at)
         assert "nn-worker rank 1 killed by SIGKILL" in "\n".join(run.lines[killed_at:restart + 1])
-        # the newest checkpoint published before the restart: the one the job must resume from
-        published = [int(m.group(1)) for line in run.lines[:restart]
-                     if (m := re.search(r"\[nn\].*checkpoint step (\d+) published", line))]
-        step = max(published)
-        assert step >= INTERVAL and step % INTERVAL == 0
-
-        # both ranks resume from it, with every rank's position: `step` batches each
-        for rank in (0, 1):
-            m = run.wait_for(rf"\[nn-worker-{rank}\] .*resumed from (\S+)/ckpt-(\d{{12}}): step (\d+), "
-                             rf"loader positions (\{{.*\}}) \(", start=restart)
-            assert (Path(m.group(1)), int(m.group(2)), int(m.group(3))) == (tmp_path / "ckpt", step, step), m.group(0)
-            assert ast.literal_eval(m.group(4)) == {"0": {"0": step, "1": step}}, m.group(0)
-        # the data loader skips exactly the 2 * step batches trained before
-        run.wait_for(rf"\[dl-0\] .*data loader 0 resumes after step {step} of \S+/ckpt-{step:012d}: "
-                     rf"skipping {2 * step} batches already trained", start=restart)
-
-        assert run.finish(240) == 0, run.text[-5000:]
+        run.finish(240)
     finally:
         run.kill()
+    # the newest checkpoint published before the restart: the one the job must resume from
+    published = [int(m.group(1)) for line in run.lines[:restart]
+                 if (m := re.search(r"\[nn\].*checkpoint step (\d+) published", line))]
+    return KilledRun(run, ckpt, restart, max(published))
+
+
+def test_nn_rank_1_killed_both_ranks_resume_from_the_checkpoint(killed_run):
+    run, restart, step = killed_run.run, killed_run.restart, killed_run.step
+    assert run.proc.returncode == 0, run.text[-5000:]
+    assert step >= INTERVAL and step % INTERVAL == 0
+    # both ranks resume from it, with every rank's position: `step` batches each
+    for rank in (0, 1):
+        m = run.wait_for(rf"\[nn-worker-{rank}\] .*resumed from (\S+)/ckpt-(\d{{12}}): step (\d+), "
+                         rf"loader positions (\{{.*\}}) \(", start=restart)
+        assert (Path(m.group(1)), int(m.group(2)), int(m.group(3))) == (killed_run.ckpt, step, step), m.group(0)
+        assert ast.literal_eval(m.group(4)) == {"0": {"0": step, "1": step}}, m.group(0)
+    # the data loader skips exactly the 2 * step batches trained before
+    run.wait_for(rf"\[dl-0\] .*data loader 0 resumes after step {step} of \S+/ckpt-{step:012d}: "
+                 rf"skipping {2 * step} batches already trained", start=restart)
 
     # the dense model each rank resumed with, and ended with, is the same on both ranks
     for when in ("resumed", "final"):
@@ -97,18 +115,52 @@ def test_nn_rank_1_killed_both_ranks_resume_from_the_checkpoint(tmp_path):
     sent = lines_after(run, restart, r"data loader 0: end of stream after 1 epochs, (\d+) batches acknowledged, "
                                      r"failed sends none")
     assert [int(m.group(1)) for m in sent] == [STREAM - 2 * step]
-    trained = {}
+    trained, tail = {}, 0
     for rank in (0, 1):
         [m] = lines_after(run, restart, rf"NN rank {rank} batches: sent (\d+), trained (\d+), evaluated 0, "
                                         rf"failed (\{{.*\}}) \(every acknowledged batch accounted for\)")
         n_sent, n_trained, failed = int(m.group(1)), int(m.group(2)), ast.literal_eval(m.group(3))
         assert n_sent == PER_RANK[rank] - step, (rank, m.group(0))
         assert set(failed) <= {"uneven_tail"} and n_trained + sum(failed.values()) == n_sent, (rank, m.group(0))
-        trained[rank] = n_trained
+        trained[rank], tail = n_trained, tail + failed.get("uneven_tail", 0)
     assert trained[0] == trained[1] == PER_RANK[1] - step  # DDP ranks stay in step
-    assert 2 * step + sum(trained.values()) + (PER_RANK[0] - PER_RANK[1]) == STREAM
+    assert 2 * step + sum(trained.values()) + tail == STREAM  # nothing trained twice, nothing lost
 
-    res = json.loads([line for line in run.lines if "PERSIA_RESULT " in line][-1].split("PERSIA_RESULT ", 1)[1])
+    res = result(run)
     assert (res["start_step"], res["train_steps"], res["world_size"]) == (step, trained[0], 2)
     assert "restarting the job (2/3)" not in run.text
     print(f"two ranks: resumed at step {step}, then {trained[0]} steps per rank; AUC {res['auc']:.4f}")
+
+
+def test_a_two_rank_checkpoint_resumes_with_one_rank(killed_run):
+    """The operator's replica change: the same job, now with one NN rank, resumes the two-rank
+    job's last checkpoint. Batch b went to rank b % 2 there and goes to rank 0 now: the loader skips
+    exactly what the two ranks trained, and the next checkpoint keeps the two-rank run's positions
+    as an earlier run (before: the loader started its stream again, training 2 * step batches
+    twice, and the next checkpoint's positions no longer matched what was trained)."""
+    ckpt = killed_run.ckpt
+    last = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if (p / "COMPLETE").exists())
+    run = LocalRun("--nproc-per-node", "1", job="f-one-rank", trainer=DIGEST_TRAINER,
+                   env={"PERSIA_CHECKPOINT_DIR": str(ckpt), "PERSIA_CHECKPOINT_INTERVAL_STEPS": "5",
+                        "SLOW_S": "0"})  # no fault to place: no pacing (it would pace the skipped batches too)
+    try:
+        assert run.finish(180) == 0, run.text[-5000:]
+    finally:
+        run.kill()
+    positions = {"0": {"0": last, "1": last}}
+    m = run.wait_for(r"\[nn-worker-0\] .*resumed from \S+/ckpt-(\d{12}): step (\d+), loader positions (\{.*\}) "
+                     r"written by 2 NN ranks, mapped onto 1")
+    assert (int(m.group(1)), int(m.group(2)), ast.literal_eval(m.group(3))) == (last, last, positions), m.group(0)
+    run.wait_for(rf"\[dl-0\] .*was written with 2 NN ranks, this job has 1: data loader 0 skips the {2 * last} ")
+    run.wait_for(rf"\[dl-0\] .*skipping {2 * last} batches already trained")
+    rest = STREAM - 2 * last
+    run.wait_for(rf"data loader 0: end of stream after 1 epochs, {rest} batches acknowledged, failed sends none")
+    run.wait_for(rf"NN rank 0 batches: sent {rest}, trained {rest}, evaluated 0, failed \{{\}} \(every acknowledged")
+    res = result(run)
+    assert (res["start_step"], res["train_steps"], res["world_size"]) == (last, rest, 1)
+    # a checkpoint of the one-rank run: its own positions, and the two-rank run's kept before them
+    mine = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if (p / "COMPLETE").exists())
+    assert mine > last
+    progress = json.loads((ckpt / f"ckpt-{mine:012d}" / "progress.json").read_text())
+    assert progress["world_size"] == 1 and progress["loaders"] == {"0": {"0": mine - last}}
+    assert progress["earlier"] == [{"world_size": 2, "loaders": positions}]

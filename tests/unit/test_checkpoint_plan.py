@@ -1,10 +1,13 @@
 """Checkpoint/resume decisions as pure functions: settings (config, env, arguments), which
 directories are published, retention, the resume choice, when a checkpoint is due, loader
-positions and how a restarted data loader skips exactly the trained batches."""
+positions and how a restarted data loader skips exactly the trained batches, also when the NN
+world size changed between runs."""
 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from persia.config import load_global_config_from_dict
 from persia.data_loader.resume import StreamPosition, position_from_info
@@ -86,15 +89,74 @@ def test_a_loader_skips_exactly_the_batches_each_rank_trained():
     # trained 2 (k=1,3): k=5 was sent to rank 1 but not trained (staleness), so it is sent again.
     position, warning = position_from_info({"step": 2, "world_size": 2, "loaders": {"0": {"0": 3, "1": 2}}}, 0, 2)
     assert warning is None and position.total == 5
-    sent = [k for k in range(10) if not position.skip(k % 2)]
+    sent = [k for k in range(10) if not position.skip(k)]
     assert sent == [5, 6, 7, 8, 9]
     assert position.remaining == 0
 
 
-def test_positions_are_not_mapped_onto_another_world_size():
-    position, warning = position_from_info({"world_size": 2, "path": "/c", "loaders": {"0": {"0": 3}}}, 0, 4)
-    assert position is None and "written with 2 NN ranks, this job has 4" in warning
+def test_positions_are_mapped_onto_another_world_size():
+    # written by 2 ranks (rank 0 trained k=0,2,4; rank 1 k=1,3), resumed with 4: the same 5 skipped
+    position, note = position_from_info({"world_size": 2, "path": "/c", "loaders": {"0": {"0": 3, "1": 2}}}, 0, 4)
+    assert "written with 2 NN ranks, this job has 4" in note and "skips the 5 batches" in note
+    assert [k for k in range(10) if not position.skip(k)] == [5, 6, 7, 8, 9]
     assert position_from_info(None, 0, 1) == (None, None)
-    fresh, _ = position_from_info({"world_size": 1, "loaders": {}}, 3, 1)
-    assert fresh.total == 0 and not fresh.skip(0)
+    fresh, note = position_from_info({"world_size": 1, "loaders": {}}, 3, 1)
+    assert fresh.total == 0 and not fresh.skip(0) and note is None
     assert isinstance(fresh, StreamPosition)
+
+
+def test_a_run_with_another_world_size_is_kept_as_an_earlier_run():
+    progress = {"step": 7, "world_size": 2, "loaders": {"0": {"0": 7, "1": 7}}, "earlier": []}
+    # the same world size: the run goes on, each rank's counts continue
+    assert plan.continue_positions(progress, 2, 1) == ([], {0: 7})
+    # another: that run is kept whole and this one counts from zero
+    earlier, mine = plan.continue_positions(progress, 3, 0)
+    assert earlier == [{"world_size": 2, "loaders": {"0": {"0": 7, "1": 7}}}] and mine == {}
+    # a checkpoint written by dump_checkpoint (no positions): nothing to keep
+    assert plan.continue_positions({"step": 0, "world_size": None, "loaders": {}}, 2, 0) == ([], {})
+
+
+def _replay(runs, num_loaders: int, batches_per_loader: int) -> None:
+    """Several runs of a job, each with its own NN world size, each rank training a prefix of what
+    it was sent per loader (``cut``), then a restart from that run's checkpoint: no batch is sent
+    after it was trained, and with the last run training everything, every batch is trained."""
+    trained: set[tuple[int, int]] = set()
+    progress = None
+    for world, cuts in runs:
+        if progress is None:
+            earlier, counts = [], [{} for _ in range(world)]
+        else:
+            continued = [plan.continue_positions(progress, world, r) for r in range(world)]
+            earlier, counts = continued[0][0], [dict(c) for _, c in continued]
+        info = None if progress is None else {**progress, "path": "/c"}
+        for loader in range(num_loaders):
+            position, _ = position_from_info(info, loader, world)
+            sent: dict[int, list[int]] = {r: [] for r in range(world)}
+            for k in range(batches_per_loader):
+                b = k * num_loaders + loader
+                if position is not None and position.skip(b):
+                    assert (loader, b) in trained, f"batch {b} of loader {loader} skipped but never trained"
+                    continue
+                assert (loader, b) not in trained, f"batch {b} of loader {loader} sent again after training"
+                sent[b % world].append(b)
+            for r in range(world):
+                n = len(sent[r]) if cuts is None else min(cuts[(r + loader) % len(cuts)], len(sent[r]))
+                trained |= {(loader, b) for b in sent[r][:n]}
+                counts[r][loader] = counts[r].get(loader, 0) + n
+        progress = {"step": 0, "world_size": world, "loaders": plan.merge_positions(counts), "earlier": earlier}
+    assert len(trained) == num_loaders * batches_per_loader
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.lists(st.integers(0, 12), min_size=1, max_size=4)), max_size=5),
+       st.integers(1, 3), st.integers(0, 40))
+def test_resumes_across_world_size_changes_train_every_batch_exactly_once(runs, num_loaders, batches):
+    _replay([*runs, (3, None)], num_loaders, batches)
+
+
+def test_a_malformed_earlier_run_is_refused_naming_it(tmp_path):
+    from persia.nn_worker.periodic import read_progress
+
+    (tmp_path / plan.PROGRESS).write_text('{"step": 3, "world_size": 1, "loaders": {}, "earlier": [{"world_size": 0}]}')
+    with pytest.raises(ValueError, match=r"progress.json: malformed progress file: earlier run \{'world_size': 0\}"):
+        read_progress(tmp_path)

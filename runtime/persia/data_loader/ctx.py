@@ -38,10 +38,10 @@ def _process_position(resume: dict | None, loader_index: int, world_size: int) -
     epoch) continues where the first stopped skipping instead of skipping again."""
     key = (None if not resume else (resume.get("path"), resume.get("step")), loader_index)
     if key not in _positions:
-        position, warning = position_from_info(resume, loader_index, world_size)
-        if warning:
-            log.warning("%s", warning)
-        elif position is not None and position.total:
+        position, note = position_from_info(resume, loader_index, world_size)
+        if note:
+            log.info("%s", note)
+        if position is not None and position.total:
             log.info("data loader %d resumes after step %s of %s: skipping %d batches already trained",
                      loader_index, position.step, position.path, position.total)
         _positions[key] = position
@@ -99,7 +99,7 @@ class DataCtx(BaseCtx):
         batch_id = self._stream.next_id(self.replica_index, self.replica_size)
         worker = (batch_id // self.replica_size + self.replica_index) % self.num_embedding_workers
         rank = batch_id % self.world_size
-        if self.resume_position is not None and self.resume_position.skip(rank):
+        if self.resume_position is not None and self.resume_position.skip(batch_id):
             # trained before the restart (the checkpoint's position): keep its batch id, send nothing
             persia_batch.batch_id = batch_id
             self.skipped += 1

@@ -3,45 +3,67 @@
 The checkpoint records, per data loader and NN rank, how many of the loader's batches that rank
 trained (``{loader: {rank: n}}``). A rank trains one loader's batches in the order they were sent,
 so the trained ones are the first ``n`` the loader sent to that rank. A restarted loader that
-replays the same stream (same data, same order, same number of loaders and NN ranks) therefore
-skips, for each rank, the first ``n`` batches it would send there: exactly the trained ones, and
-nothing else, even when staleness left later batches untrained on one rank but not another.
+replays the same stream (same data, same order, same number of loaders) therefore skips, for each
+rank, the first ``n`` batches it sent there: exactly the trained ones, and nothing else, even when
+staleness left later batches untrained on one rank but not another.
+
+The NN rank count may change between runs (the operator's replica change). A batch's rank is its
+batch id modulo the world size *of the run that sent it*, so the positions are kept per run:
+``earlier`` holds, oldest first, the positions of runs with other world sizes, and each run's
+loader sent only the batches no earlier run had trained. Replaying the runs in order over each
+batch id decides, batch by batch, whether some run trained it; the untrained ones go to the
+ranks of the current world size.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Sequence
 
 
 class StreamPosition:
-    """Batches still to skip, per NN rank; ``skip(rank)`` consumes one."""
+    """Which of a loader's batches were trained before the restart; ``skip(batch_id)``, called for
+    every batch id in send order, says whether to skip that one."""
 
-    def __init__(self, trained_per_rank: Mapping[int, int], step: int | None = None, path: str | None = None):
-        self.left = {int(r): int(n) for r, n in trained_per_rank.items() if int(n) > 0}
-        self.total = sum(self.left.values())
+    def __init__(self, runs: Sequence[tuple[int, Mapping[int, int]]], step: int | None = None,
+                 path: str | None = None):
+        # per run: its world size, trained batches per rank, and how many that run sent per rank so far
+        self._runs = [(int(world), {int(r): int(n) for r, n in trained.items() if int(n) > 0}, {})
+                      for world, trained in runs]
+        for world, _, _ in self._runs:
+            if world < 1:
+                raise ValueError(f"world_size {world} in a checkpoint's positions: expected >= 1")
+        self.total = sum(sum(trained.values()) for _, trained, _ in self._runs)
+        self.skipped = 0
         self.step, self.path = step, path
 
-    def skip(self, rank: int) -> bool:
-        n = self.left.get(rank, 0)
-        if n <= 0:
-            return False
-        self.left[rank] = n - 1
-        return True
+    def skip(self, batch_id: int) -> bool:
+        for world, trained, sent in self._runs:
+            rank = batch_id % world
+            nth = sent.get(rank, 0)  # this batch was that run's nth for this rank
+            sent[rank] = nth + 1
+            if nth < trained.get(rank, 0):
+                self.skipped += 1
+                return True
+        return False
 
     @property
     def remaining(self) -> int:
-        return sum(self.left.values())
+        return self.total - self.skipped
 
 
 def position_from_info(resume: Mapping | None, loader_index: int, world_size: int) -> tuple[StreamPosition | None, str | None]:
-    """The position of loader ``loader_index`` from the NN workers' ``nn.info`` answer, and a
-    warning when the checkpoint cannot be mapped onto this job (world size changed)."""
+    """The position of loader ``loader_index`` from the NN workers' ``nn.info`` answer, and a note
+    when the checkpoint was written with another NN world size (its positions are mapped)."""
     if not resume:
         return None, None
     saved_world = resume.get("world_size")
-    loaders = resume.get("loaders") or {}
-    mine = loaders.get(str(loader_index)) or {}
-    if saved_world is not None and int(saved_world) != int(world_size) and mine:
-        return None, (f"checkpoint {resume.get('path')} was written with {saved_world} NN ranks, this job has "
-                      f"{world_size}: data loader {loader_index} starts its stream from the beginning")
-    return StreamPosition({int(r): int(n) for r, n in mine.items()}, resume.get("step"), resume.get("path")), None
+    runs = [(int(run["world_size"]), (run.get("loaders") or {}).get(str(loader_index)) or {})
+            for run in resume.get("earlier") or ()]
+    runs.append((int(saved_world or world_size), (resume.get("loaders") or {}).get(str(loader_index)) or {}))
+    position = StreamPosition(runs, resume.get("step"), resume.get("path"))
+    note = None
+    if saved_world is not None and int(saved_world) != int(world_size) and position.total:
+        note = (f"checkpoint {resume.get('path')} was written with {saved_world} NN ranks, this job has "
+                f"{world_size}: data loader {loader_index} skips the {position.total} batches trained there "
+                f"and sends the others to the ranks of {world_size}")
+    return position, note

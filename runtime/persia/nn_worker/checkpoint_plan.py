@@ -156,3 +156,18 @@ def merge_positions(per_rank: list[Mapping[int, int]]) -> dict[str, dict[str, in
 def positions_for_rank(loaders: Mapping[str, Mapping[str, int]], rank: int) -> dict[int, int]:
     """A rank's own counters, restored from a checkpoint's positions."""
     return {int(loader): int(ranks.get(str(rank), 0)) for loader, ranks in loaders.items()}
+
+
+def continue_positions(progress: Mapping, world_size: int, rank: int) -> tuple[list[dict], dict[int, int]]:
+    """After resuming from a checkpoint's ``progress``: the earlier runs to record in the next
+    checkpoints (``earlier``) and this rank's trained counts to continue from. With the world size
+    the checkpoint was written with, its run goes on (its counts continue); with another, that run's
+    batch-to-rank mapping no longer holds, so it joins the earlier runs (data loaders replay them,
+    ``persia.data_loader.resume``) and this run counts from zero."""
+    earlier = [dict(run) for run in progress.get("earlier") or ()]
+    saved, loaders = progress.get("world_size"), progress.get("loaders") or {}
+    if saved is None or int(saved) == int(world_size):
+        return earlier, positions_for_rank(loaders, rank)
+    if any(loaders.values()):
+        earlier.append({"world_size": int(saved), "loaders": {k: dict(v) for k, v in loaders.items()}})
+    return earlier, {}

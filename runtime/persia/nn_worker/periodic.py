@@ -74,6 +74,10 @@ def read_progress(path: Path) -> dict:
     data = json.loads(f.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("step"), int) or not isinstance(data.get("loaders"), dict):
         raise ValueError(f"{f}: malformed progress file")
+    for run in data.get("earlier") or ():
+        if not (isinstance(run, dict) and isinstance(run.get("world_size"), int) and run["world_size"] >= 1
+                and isinstance(run.get("loaders"), dict)):
+            raise ValueError(f"{f}: malformed progress file: earlier run {run!r}")
     return data
 
 
@@ -127,6 +131,7 @@ class PeriodicCheckpointing:
         self.checkpoint_seconds: list[float] = []  # how long each periodic checkpoint took
         self.checkpoint_failures = 0
         self._trained_per_loader: dict[int, int] = {}
+        self._earlier_runs: list[dict] = []  # positions of runs with another NN world size
         self._resume_info: dict | None = None
         self._last_ckpt_step = 0
         self._last_ckpt_time = time.monotonic()
@@ -166,11 +171,12 @@ class PeriodicCheckpointing:
         self.step = self.start_step = int(progress["step"])
         self._last_ckpt_step = self.step
         self.resumed_from = str(path)
-        self._trained_per_loader = plan.positions_for_rank(progress["loaders"], self.rank)
+        self._earlier_runs, self._trained_per_loader = plan.continue_positions(progress, self.world_size, self.rank)
         self._resume_info = {"step": self.step, "world_size": progress.get("world_size"),
-                             "loaders": progress["loaders"], "path": str(path)}
-        log.info("resumed from %s: step %d, loader positions %s (%.2fs)", path, self.step, progress["loaders"],
-                 time.monotonic() - t0)
+                             "loaders": progress["loaders"], "earlier": progress.get("earlier") or [],
+                             "path": str(path)}
+        log.info("resumed from %s: step %d, loader positions %s%s (%.2fs)", path, self.step, progress["loaders"],
+                 _other_world(progress, self.world_size), time.monotonic() - t0)
 
     def _load_dense_only(self, path: Path) -> None:
         for apply in self._dense_appliers(path, "dense.pt", "opt.pt", None):
@@ -254,6 +260,8 @@ class PeriodicCheckpointing:
 
     def _write_cut(self, directory: Path, per_rank: list[dict[int, int]]) -> dict:
         progress = {"step": self.step, "world_size": self.world_size, "loaders": plan.merge_positions(per_rank)}
+        if self._earlier_runs:  # runs with other world sizes (only after such a resume)
+            progress["earlier"] = self._earlier_runs
         # dense.pt, opt.pt, every PS shard, embedding_dump_done
         marker = write_cut(directory, progress, lambda tmp: self.dump_checkpoint(str(tmp)),
                            self.checkpoint_settings.keep)
@@ -345,6 +353,13 @@ class PeriodicCheckpointing:
                         self.world_size)
             return
         self.save_checkpoint()
+
+
+def _other_world(progress: dict, world_size: int) -> str:
+    saved = progress.get("world_size")
+    if saved is None or int(saved) == world_size:
+        return ""
+    return f" written by {saved} NN ranks, mapped onto {world_size} (data loaders skip what those ranks trained)"
 
 
 def _out_of_time(grace: float) -> None:
