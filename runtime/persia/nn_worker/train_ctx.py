@@ -265,7 +265,10 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
     def check_dense_finite(self) -> None:
         """Raise if a dense parameter is NaN/Inf: training on would only spread it."""
-        for name, p in self.model.named_parameters():
+        named = list(self.model.named_parameters())
+        if all_finite([p for _, p in named]):
+            return
+        for name, p in named:  # which one (or none: a sum of large finite values overflowed)
             if not bool(torch.isfinite(p.detach()).all()):
                 raise NonFiniteModel(
                     f"dense parameter {name!r} became non-finite after {self.trained_batches} trained steps "
@@ -450,10 +453,27 @@ class NonFiniteModel(PersiaError):
     """The dense model's parameters are NaN/Inf."""
 
 
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """No NaN or Inf in any of ``tensors``, with one device sync.
+
+    A NaN or Inf anywhere makes that tensor's sum non-finite, so one sum per tensor answers the
+    common case. ``torch.isfinite(t).all()`` per tensor allocates a mask of every element: on the
+    FFNN's 12.9M parameters that took ~150 ms against ~2 ms for the sums, every 20 steps of ~130 ms.
+    A sum of large finite values can overflow to Inf, so a non-finite sum is confirmed element-wise.
+    """
+    tensors = [t.detach() for t in tensors]
+    if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_complex()):
+        return False
+    floats = [t for t in tensors if t.is_floating_point()]
+    # half-precision sums in float32: a float16 sum overflows at 65,504
+    sums = [(t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()).float() for t in floats]
+    if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in floats)
+
+
 def _dense_grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    """One device sync for all gradients (a NaN or Inf anywhere makes the sum non-finite)."""
-    sums = [p.grad.detach().sum() for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    return not sums or bool(torch.isfinite(torch.stack(sums)).all())
+    return all_finite([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None])
 
 
 def float32_outputs(output):
