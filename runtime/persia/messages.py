@@ -116,6 +116,7 @@ class EndOfStream(_Msg):
 
     loader: Index
     loader_size: Annotated[int, Field(ge=1, le=1 << 20)]
+    session: str | None = Field(default=None, max_length=64)  # the loader process's, as on its batches
     sent: Index
     epoch: Index = 0
     final: bool = True

@@ -208,8 +208,8 @@ class DataCtx(BaseCtx):
 
     def _send_end_of_stream(self) -> None:
         s = self._stream
-        message = {"loader": self.replica_index, "loader_size": self.replica_size, "epoch": s.epoch, "sent": 0,
-                   "final": True, "failed_sends": dict(s.failed)}
+        message = {"loader": self.replica_index, "loader_size": self.replica_size, "session": s.session,
+                   "epoch": s.epoch, "sent": 0, "final": True, "failed_sends": dict(s.failed)}
         self._tell_ranks(lambda _rank: message, "end of stream", best_effort=True)
         log.info("data loader %d: end of stream after %d epochs, %d batches acknowledged, failed sends %s",
                  self.replica_index, s.epoch, s.sent_total, dict(s.failed) or "none")
@@ -220,8 +220,9 @@ class DataCtx(BaseCtx):
             return
         self._closed = True
         epoch, sent = self._stream.end_epoch()
-        message = {"loader": self.replica_index, "loader_size": self.replica_size, "epoch": epoch,
-                   "final": failure is not None, "failed": failure, "failed_sends": dict(self._stream.failed)}
+        message = {"loader": self.replica_index, "loader_size": self.replica_size, "session": self._stream.session,
+                   "epoch": epoch, "final": failure is not None, "failed": failure,
+                   "failed_sends": dict(self._stream.failed)}
         self._tell_ranks(lambda rank: dict(message, sent=sent.get(rank, 0)), f"end of epoch {epoch}",
                          best_effort=failure is not None)
         if failure is not None:

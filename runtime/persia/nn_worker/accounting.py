@@ -4,6 +4,12 @@ Every batch a data loader had acknowledged ends in exactly one of: trained, eval
 with a reason (a non-finite loss or gradient, the uneven tail that DDP ranks cut so they stay in
 step, ...). The counts go to the log, to ``/metrics`` and to the result line (``report_result``),
 so a run that lost batches says so instead of exiting 0 in silence.
+
+What was acknowledged is what the data loaders announce at the end of each epoch (``sent``), plus
+what arrived from a loader *process* that never ended its stream: one killed (between the two
+legs of a batch or not) and restarted in place while this rank trains on. Its own count died with
+it, so this rank's count of what arrived from it stands in (``unannounced``), per loader process
+(loader index and session): without it, such a run reported its batches as a false imbalance.
 """
 
 from __future__ import annotations
@@ -27,6 +33,12 @@ class BatchAccount:
     evaluated: int = 0
     failed: Counter = field(default_factory=Counter)  # by reason, on this rank
     failed_sends: Counter = field(default_factory=Counter)  # never acknowledged, by reason (loaders')
+    # per loader process, (loader index, session): batches it announced, batches that arrived from
+    # it, the processes that ended their stream, and each one's latest failed-send counts
+    announced_by: Counter = field(default_factory=Counter, repr=False)
+    received_by: Counter = field(default_factory=Counter, repr=False)
+    ended: set = field(default_factory=set, repr=False)
+    failed_sends_by: dict = field(default_factory=dict, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     metrics: Metrics | None = field(default=None, repr=False)
 
@@ -35,7 +47,8 @@ class BatchAccount:
             self.metrics.inc(name, n, feat=feat)
 
     def add(self, what: str, n: int = 1) -> None:
-        """``what``: sent | received | trained | evaluated."""
+        """``what``: trained | evaluated (sent and received are counted per loader process:
+        :meth:`announced`, :meth:`received_from`)."""
         with self.lock:
             setattr(self, what, getattr(self, what) + n)
         self._metric(f"batches_{what}", n)
@@ -45,23 +58,49 @@ class BatchAccount:
             self.failed[reason] += n
         self._metric("batches_failed", n, feat=reason)
 
-    def loader_failed_sends(self, loader: int, counts: dict[str, int]) -> None:
-        """A data loader's own count of sends never acknowledged (replaces its previous report)."""
+    def received_from(self, loader: int, session: str | None) -> None:
+        """A streamed batch arrived from loader process ``(loader, session)``."""
         with self.lock:
-            self._by_loader = getattr(self, "_by_loader", {})
-            self._by_loader[loader] = Counter(counts)
-            self.failed_sends = sum(self._by_loader.values(), Counter())
+            self.received += 1
+            self.received_by[(loader, session)] += 1
+        self._metric("batches_received", 1)
+
+    def announced(self, loader: int, session: str | None, sent: int, final: bool,
+                  failed_sends: dict[str, int]) -> None:
+        """A loader process's end of an epoch (``sent`` batches acknowledged by this rank) or, with
+        ``final``, of its stream; ``failed_sends`` is its own count of sends never acknowledged
+        (replaces that process's previous report)."""
+        key = (loader, session)
+        with self.lock:
+            self.sent += sent
+            self.announced_by[key] += sent
+            if final:
+                self.ended.add(key)
+            self.failed_sends_by[key] = Counter(failed_sends)
+            self.failed_sends = sum(self.failed_sends_by.values(), Counter())
+        self._metric("batches_sent", sent)
+
+    def unannounced(self) -> dict[tuple[int, str | None], int]:
+        """Per loader process that has not ended its stream: batches that arrived from it beyond
+        what it announced (it was killed before saying so; a live one has announced all of an
+        ended epoch's)."""
+        with self.lock:
+            return {k: n - self.announced_by[k] for k, n in self.received_by.items()
+                    if k not in self.ended and n > self.announced_by[k]}
 
     def unaccounted(self) -> int:
-        """Acknowledged batches not (yet) trained, evaluated or failed."""
-        return self.sent - self.trained - self.evaluated - sum(self.failed.values())
+        """Acknowledged batches (announced, or arrived from a loader process that never ended its
+        stream) not (yet) trained, evaluated or failed; negative: more finished than acknowledged."""
+        acknowledged = self.sent + sum(self.unannounced().values())
+        return acknowledged - self.trained - self.evaluated - sum(self.failed.values())
 
     def as_result(self) -> dict:
+        unannounced = sum(self.unannounced().values())
         with self.lock:
             failed = dict(self.failed)
             for reason, n in self.failed_sends.items():
                 failed[f"loader_{reason}"] = n
-            return {"batches_sent": self.sent, "batches_trained": self.trained,
+            return {"batches_sent": self.sent, "batches_unannounced": unannounced, "batches_trained": self.trained,
                     "batches_evaluated": self.evaluated, "batches_failed": failed}
 
 
@@ -96,6 +135,11 @@ def log_summary(rank: int, complete: bool) -> None:
         log.info("NN rank %d stopped before the end of its stream; batches: %s; received %d, %d of them "
                  "not finished", rank, line, ACCOUNT.received, max(0, ACCOUNT.received - done))
         return
+    unannounced = ACCOUNT.unannounced()
+    if unannounced:  # say where they came from: a loader process that died while this rank trained on
+        line += " (unannounced: " + ", ".join(
+            f"{n} from data loader {loader} process {session or '?'}, which never ended its stream"
+            for (loader, session), n in sorted(unannounced.items(), key=str)) + ")"
     left = ACCOUNT.unaccounted()
     if left:
         log.warning("NN rank %d batches: %s; %d acknowledged batches NOT accounted for", rank, line, left)

@@ -179,7 +179,7 @@ class StreamingDataset(IterableDatasetBase):
                     continue
                 state.received[(int(msg.get("loader", 0)), epoch)] += 1
                 self.received_total += 1
-                ACCOUNT.add("received")
+                ACCOUNT.received_from(int(msg.get("loader", 0)), msg.get("session"))
                 yield msg
         finally:
             state.carry = pending + state.carry
@@ -202,8 +202,8 @@ class StreamingDataset(IterableDatasetBase):
             raise PersiaError(f"data loaders disagree on their replica size: {state.loader_size} vs {size}")
         state.loader_size = size
         state.sent[(loader, epoch)] += int(msg["sent"])
-        ACCOUNT.add("sent", int(msg["sent"]))
-        ACCOUNT.loader_failed_sends(loader, msg.get("failed_sends") or {})
+        ACCOUNT.announced(loader, msg.get("session"), int(msg["sent"]), bool(msg.get("final", True)),
+                          msg.get("failed_sends") or {})
         if msg.get("final", True):
             state.final.add(loader)
             log.info("data loader %d/%d ended its stream", loader, size)
