@@ -62,6 +62,15 @@ def test_a_live_loader_that_has_not_ended_its_stream_yet_adds_nothing():
     assert acc.unannounced() == {} and acc.unaccounted() == 0
 
 
+def test_an_end_message_without_a_session_stands_for_all_of_its_loaders_batches():
+    """An older data loader's end messages carry no session while its batches do."""
+    acc = BatchAccount()
+    _arrive(acc, 0, "a", 3)
+    acc.announced(0, None, 3, final=True, failed_sends={})
+    acc.add("trained", 3)
+    assert acc.unannounced() == {} and acc.unaccounted() == 0
+
+
 def test_failed_sends_are_kept_per_process_and_reset_forgets_them():
     acc = BatchAccount()
     acc.announced(0, "a", 0, final=False, failed_sends={"send_dense": 1})

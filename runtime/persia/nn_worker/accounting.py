@@ -85,8 +85,11 @@ class BatchAccount:
         what it announced (it was killed before saying so; a live one has announced all of an
         ended epoch's)."""
         with self.lock:
+            # a loader whose messages carry no session (an older sender) cannot be told apart by
+            # process: its announcements stand for all of its batches, as before
+            sessionless = {loader for loader, session in self.announced_by if session is None}
             return {k: n - self.announced_by[k] for k, n in self.received_by.items()
-                    if k not in self.ended and n > self.announced_by[k]}
+                    if k not in self.ended and k[0] not in sessionless and n > self.announced_by[k]}
 
     def unaccounted(self) -> int:
         """Acknowledged batches (announced, or arrived from a loader process that never ended its
