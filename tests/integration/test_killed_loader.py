@@ -59,7 +59,9 @@ def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imba
             _poll(lambda: ACCOUNT.received >= 4, "the NN rank acknowledging batch 3's dense part")
             first.send_signal(signal.SIGKILL)  # between the legs: the loader never counted batch 3
             out["first_rc"] = first.wait(30)
-            second = _loader(3, 3)  # restarted in place: a new process (session) sends the rest
+            # restarted in place: a new process (session). A real one replays from the job's resume
+            # point (docs/reliability.md); this one sends the rest, so the counts tell the two apart
+            second = _loader(3, 3)
             out["second"] = second.communicate(timeout=120)[0]
             out["second_rc"] = second.returncode
         except BaseException as exc:  # noqa: BLE001 - the test reads it
