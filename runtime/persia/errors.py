@@ -47,6 +47,10 @@ class BatchLost(PersiaError, LookupError):
 
     grpc_status = "NOT_FOUND"
 
+    def __init__(self, message: str, loader: int | None = None):
+        super().__init__(message)
+        self.loader = loader  # the data loader whose batch it was, when the NN worker knows it
+
 
 class TooManyWaiting(PersiaError):
     """An embedding worker already holds as many lookups waiting for their ID features as it

@@ -36,8 +36,9 @@ def train_all(model, batches, lr=0.1):
     return seen, errors
 
 
-def train_through_failed_sends(batches, lookup_wait_sec: float = 120.0):
-    """Train ``batches`` sent by one data loader (a thread that goes on after a failed send)."""
+def train_through_failed_sends(batches, lookup_wait_sec: float = 120.0, **train_ctx):
+    """Train ``batches`` sent by one data loader (a thread that goes on after a failed send);
+    ``train_ctx``: more TrainCtx arguments (checkpoints)."""
     config = {**GLOBAL_CONFIG, "embedding_worker_config": {**GLOBAL_CONFIG["embedding_worker_config"],
                                                            "lookup_wait_sec": lookup_wait_sec}}
     errors, seen = [], []
@@ -57,7 +58,7 @@ def train_through_failed_sends(batches, lookup_wait_sec: float = 120.0):
         t.start()
         model = Model()
         with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
-                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **train_ctx) as ctx:
             for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
                 seen.append(batch.batch_id)
                 out, labels = ctx.forward(batch)

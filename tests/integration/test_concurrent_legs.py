@@ -74,6 +74,24 @@ def test_an_id_leg_that_fails_after_the_nn_got_the_batch_fails_its_lookup_at_onc
     assert result["batches_failed"] == {"lost_id_features": 1}
 
 
+def test_a_lost_batch_counts_in_its_loaders_resume_position(persia_env, monkeypatch, tmp_path):
+    """Batch 1's ID leg fails after the NN rank got it (lost_id_features); the checkpoint at step 2
+    (batches 0 and 2 trained) records 3 of loader 0's batches consumed, so a job resumed from it is
+    sent batch 3 only. Before, the position was 2: the resumed loader skipped batches 0 and 1 and
+    sent batch 2, already trained, again."""
+    import json
+
+    hold_forward(monkeypatch, batch_id=1, then_fail=True)
+    ckpt = {"checkpoint_dir": str(tmp_path), "checkpoint_interval_steps": 2}
+    seen, errors, _ = train_through_failed_sends([make_batch(i) for i in range(4)], lookup_wait_sec=600, **ckpt)
+    assert seen == [0, 2, 3] and len(errors) == 1
+    progress = json.loads((tmp_path / "ckpt-000000000002" / "progress.json").read_text())
+    assert progress["loaders"] == {"0": {"0": 3}}
+    ACCOUNT.__init__()
+    seen, errors, _ = train_through_failed_sends([make_batch(i) for i in range(4)], **ckpt)
+    assert errors == [] and seen == [3]
+
+
 def test_a_retried_forward_keeps_its_ref_and_a_ref_is_never_shared(persia_env):
     with cluster() as servers:
         worker = servers[-1]

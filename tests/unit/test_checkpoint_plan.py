@@ -160,3 +160,43 @@ def test_a_malformed_earlier_run_is_refused_naming_it(tmp_path):
     (tmp_path / plan.PROGRESS).write_text('{"step": 3, "world_size": 1, "loaders": {}, "earlier": [{"world_size": 0}]}')
     with pytest.raises(ValueError, match=r"progress.json: malformed progress file: earlier run \{'world_size': 0\}"):
         read_progress(tmp_path)
+
+
+OUTCOMES = ["trained", "non_finite_loss", "lost_id_features", "abandoned"]
+
+
+def _consumer_cut(outcomes: list[str], cut: int, counts_lost: bool = True) -> tuple[int, set[int]]:
+    """One loader, one rank: the training loop consumes ``cut`` batches in arrival order with the
+    given outcomes (then the checkpoint); returns the position recorded and the batches whose send
+    is spent (trained, skipped, lost: never to be trained from a resend)."""
+    position, spent = 0, set()
+    for k, outcome in enumerate(outcomes[:cut]):
+        if outcome == "abandoned":
+            break  # the loop stopped: nothing after it was consumed either
+        spent.add(k)
+        if plan.advances_position(outcome) and (counts_lost or outcome != "lost_id_features"):
+            position += 1
+    return position, spent
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(OUTCOMES[:3]), max_size=30), st.integers(0, 30))
+def test_a_consumed_batch_moves_its_loaders_position_whatever_became_of_it(outcomes, cut):
+    """After a resume the loader sends exactly the batches the loop had not consumed: none that
+    was trained, skipped or lost is sent again (a lost batch stays lost, as in an undisturbed run)."""
+    n, spent = _consumer_cut(outcomes, cut)
+    position, _ = position_from_info({"step": 1, "world_size": 1, "loaders": {"0": {"0": n}} if n else {}}, 0, 1)
+    resent = [k for k in range(len(outcomes)) if not position.skip(k)]
+    assert resent == [k for k in range(len(outcomes)) if k not in spent]
+
+
+def test_the_outcomes_that_move_a_position():
+    assert all(plan.advances_position(o) for o in ("trained", "lost_id_features", "non_finite_loss",
+                                                   "non_finite_dense_grad", "non_finite_embedding_grad",
+                                                   "amp_overflow"))
+    assert not any(plan.advances_position(o) for o in ("abandoned", "uneven_tail", "evaluated"))
+    # the bug this rule fixes: a lost batch left out of the count made the resumed loader skip one
+    # batch too few, sending batch 2 (already trained) again
+    n, _ = _consumer_cut(["trained", "lost_id_features", "trained"], 3, counts_lost=False)
+    position, _ = position_from_info({"step": 2, "world_size": 1, "loaders": {"0": {"0": n}}}, 0, 1)
+    assert [k for k in range(4) if not position.skip(k)] == [2, 3]

@@ -153,6 +153,25 @@ def merge_positions(per_rank: list[Mapping[int, int]]) -> dict[str, dict[str, in
     return out
 
 
+# What became of a batch the training loop took from the stream, and whether its loader's position
+# (how many of its batches to this rank a resumed loader skips) moves past it.
+CONSUMED = frozenset({"trained", "non_finite_loss", "non_finite_dense_grad", "non_finite_embedding_grad",
+                      "amp_overflow", "lost_id_features"})
+
+
+def advances_position(outcome: str) -> bool:
+    """Whether a batch that ended in ``outcome`` on its rank counts in its loader's position.
+
+    Positions are "the first n batches this loader sent to this rank", skipped by a resumed loader
+    as a prefix, so every batch the training loop *consumed* must count, in arrival order, whether
+    it trained or not: a skipped non-finite step, and a batch whose ID features were lost (its
+    loader released them, or they never came; that send will never be trained, and an undisturbed
+    run does not train it either). Leaving a consumed batch out shifts the prefix: the resumed
+    loader skips one batch too few and sends an already-trained one again. Batches received but
+    never consumed (``abandoned``, the ``uneven_tail`` DDP drops, an evaluation) do not count."""
+    return outcome in CONSUMED
+
+
 def positions_for_rank(loaders: Mapping[str, Mapping[str, int]], rank: int) -> dict[int, int]:
     """A rank's own counters, restored from a checkpoint's positions."""
     return {int(loader): int(ranks.get(str(rank), 0)) for loader, ranks in loaders.items()}

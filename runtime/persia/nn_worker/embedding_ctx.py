@@ -173,7 +173,8 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
                 self._permits.release()
             if answered_with(exc, BatchLost):
                 raise BatchLost(f"batch {msg['batch_id']} of data loader {msg.get('loader', 0)}: its ID features "
-                                f"never reached embedding worker {worker}: {exc.remote_message}") from None
+                                f"never reached embedding worker {worker}: {exc.remote_message}",
+                                loader=int(msg["loader"]) if msg.get("loader") is not None else None) from None
             raise
         return PersiaTrainingBatch(
             non_id_type_features=[f["data"] for f in msg["non_id"]],

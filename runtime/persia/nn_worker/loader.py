@@ -248,6 +248,9 @@ class _LoaderIterator:
                 # its data loader gave up on the ID features (or they never came): counted, skipped
                 ACCOUNT.fail("lost_id_features")
                 log.error("%s; counted as failed (lost_id_features)", exc)
+                if self.streaming and getattr(self.ctx, "is_training", False) and hasattr(self.ctx, "_count_lost"):
+                    # consumed here, in arrival order: its loader's resume position moves past it
+                    self.ctx._count_lost(exc.loader)
                 if self._lookahead is not None:
                     self._lookahead.release()
             except BaseException:

@@ -197,9 +197,18 @@ class PeriodicCheckpointing:
         return [self.bus.serve(subject("checkpoint", "latest"), latest, blocking=False, schema=NoPayload)]
 
     # -- per step ---------------------------------------------------------------------------------
-    def _count_trained(self, loader: int | None) -> None:
+    def _count_trained(self, loader: int | None, outcome: str = "trained") -> None:
+        """A step was made with a batch of ``loader`` (trained, or skipped as non-finite)."""
         self.step += 1
-        if loader is not None:
+        self._advance_position(loader, outcome)
+
+    def _count_lost(self, loader: int | None) -> None:
+        """A batch of ``loader`` that the training loop reached but could not train (its ID
+        features were lost): no step, but its loader's position moves past it."""
+        self._advance_position(loader, "lost_id_features")
+
+    def _advance_position(self, loader: int | None, outcome: str) -> None:
+        if loader is not None and plan.advances_position(outcome):
             self._trained_per_loader[loader] = self._trained_per_loader.get(loader, 0) + 1
 
     def _after_step(self) -> None:

@@ -250,7 +250,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         """A consumed batch that changed nothing: failed, and not to be sent again on resume."""
         self.skipped_non_finite += 1
         ACCOUNT.fail(reason)
-        self._count_trained(batch.loader)
+        self._count_trained(batch.loader, reason)
         if self.skipped_non_finite == 1 or self.skipped_non_finite % 100 == 0:
             log.warning("skipped a training step: %s (%d skipped so far: %s)", reason.replace("_", " "),
                         self.skipped_non_finite, dict(ACCOUNT.failed))
