@@ -99,6 +99,7 @@ class Batch(_Msg):
 
     batch_id: Index
     loader: Index = 0
+    loader_size: Annotated[int, Field(ge=1, le=1 << 20)] | None = None  # how many loaders (None: an older sender)
     session: str | None = Field(default=None, max_length=64)  # the sending loader process's
     epoch: Index = 0
     ref: Index

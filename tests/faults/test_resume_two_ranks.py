@@ -171,3 +171,26 @@ def test_a_two_rank_checkpoint_resumes_with_one_rank(killed_run):
     progress = json.loads((ckpt / f"ckpt-{mine:012d}" / "progress.json").read_text())
     assert progress["world_size"] == 1 and progress["loaders"] == {"0": {"0": mine - last}}
     assert progress["earlier"] == [{"world_size": 2, "loaders": positions}]
+
+
+def test_a_checkpoint_resumed_with_another_number_of_data_loaders_fails_at_once(killed_run):
+    """The same checkpoint directory, now with two data loaders: batch ids (counter * loaders +
+    index) and the loaders' sharding change with their number, so no skip is exact. Every loader
+    refuses before sending a batch, naming both numbers and the checkpoint, and the job fails
+    (a program error: not restarted) with nothing trained. Before: the loaders skipped by the old
+    positions and the job trained on, some batches twice and others never, in silence."""
+    ckpt = killed_run.ckpt
+    last = max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if (p / "COMPLETE").exists())
+    run = LocalRun("--nproc-per-node", "1", "--data-loaders", "2", job="f-two-loaders", trainer=DIGEST_TRAINER,
+                   env={"PERSIA_CHECKPOINT_DIR": str(ckpt), "PERSIA_CHECKPOINT_INTERVAL_STEPS": "5", "SLOW_S": "0"})
+    try:
+        assert run.finish(120) != 0, run.text[-5000:]
+    finally:
+        run.kill()
+    run.wait_for(rf"\[nn-worker-0\] .*resumed from \S+/ckpt-{last:012d}: step {last}")
+    refused = lines_after(run, 0, rf"\[dl-(\d)\] .*data loader \1/2: checkpoint \S+/ckpt-{last:012d} was written "
+                                  r"with 1 data loaders, this job has 2")
+    assert refused, run.text[-5000:]
+    run.wait_for(r"\[local\] .*dl-\d exit code 1")
+    assert not lines_after(run, 0, r"checkpoint step \d+ published|restarting the job"), run.text[-5000:]
+    assert max(int(p.name.split("-")[1]) for p in ckpt.iterdir() if (p / "COMPLETE").exists()) == last

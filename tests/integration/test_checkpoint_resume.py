@@ -59,7 +59,7 @@ def test_periodic_checkpoints_are_published_atomically_and_retained(persia_env, 
     assert marker["step"] == 6 and marker["format"] == "persia-k8s-checkpoint/2"
     assert {"dense.pt", "opt.pt", "progress.json", "s0", "s1", "embedding_dump_done"} <= set(marker["parts"])
     progress = json.loads((root / "ckpt-000000000006" / "progress.json").read_text())
-    assert progress == {"step": 6, "world_size": 1, "loaders": {"0": {"0": 6}}}
+    assert progress == {"step": 6, "world_size": 1, "loaders": {"0": {"0": 6}}, "loader_size": 1}
     got = [events.get(timeout=10) for _ in range(2)]
     assert [e["step"] for e in got] == [3, 6]
     assert got[1]["path"] == str(root / "ckpt-000000000006")
@@ -186,3 +186,58 @@ def test_a_checkpoint_that_cannot_be_written_is_an_error_line_not_the_end_of_tra
     assert not list((tmp_path / "ckpts").glob("ckpt-*"))
     failed = [r.getMessage() for r in caplog.records if "checkpoint of step" in r.getMessage()]
     assert len(failed) == 2 and "outside the checkpoint root" in failed[0], failed
+
+
+@pytest.mark.parametrize("loader_checks", [True, False], ids=["loader-refuses", "nn-refuses"])
+def test_a_resume_with_another_number_of_data_loaders_fails_before_anything_is_trained(
+        persia_env, tmp_path, monkeypatch, loader_checks):
+    """A checkpoint of a one-loader job, resumed by a job with two data loaders (loader 0 of 2 here):
+    batch ids and sharding differ, so no skip is exact. The loader refuses before sending anything
+    and tells the NN rank, which stops with its error; a loader that does not check (an older one,
+    played by turning its check off) has its first batch refused by the NN rank before it is
+    trained. Before: the loader skipped by the old positions and the job trained on in silence."""
+    import threading
+
+    from persia.ctx import DataCtx
+    from persia.data_loader import stream as loader_stream
+    from persia.data_loader.stream import end_of_stream
+    from persia.errors import DataLoaderFailed, PersiaError
+
+    with cluster():
+        run_job(Model(), 4, tmp_path, checkpoint_interval_steps=2)
+    assert json.loads((tmp_path / "ckpts" / "ckpt-000000000004" / "progress.json").read_text())["loader_size"] == 1
+    monkeypatch.setenv("REPLICA_INDEX", "0")
+    monkeypatch.setenv("REPLICA_SIZE", "2")
+    if not loader_checks:
+        monkeypatch.setattr("persia.data_loader.ctx.loader_count_error", lambda *_: None)
+    errors, trained = [], []
+
+    def loader():
+        try:
+            with DataCtx(send_deadline_s=3) as ctx:
+                for i in range(6):
+                    ctx.send_data(make_batch(i))
+            end_of_stream()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    expected = r"ckpt-000000000004 was written with 1 data loaders, this job has 2"
+    with cluster():
+        loader_stream.reset()
+        sender = threading.Thread(target=loader, daemon=True)
+        sender.start()
+        model = Model()
+        with pytest.raises(DataLoaderFailed if loader_checks else PersiaError, match=expected):
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          checkpoint_dir=str(tmp_path / "ckpts")) as ctx:
+                assert ctx.resumed_from.endswith("ckpt-000000000004")
+                for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+                    trained.append(batch.batch_id)
+                    out, labels = ctx.forward(batch)
+                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        sender.join(30)
+    assert trained == [] and ctx.step == 4
+    assert not sender.is_alive() and len(errors) == 1
+    if loader_checks:
+        assert isinstance(errors[0], PersiaError) and "this job has 2" in str(errors[0])

@@ -200,3 +200,34 @@ def test_the_outcomes_that_move_a_position():
     n, _ = _consumer_cut(["trained", "lost_id_features", "trained"], 3, counts_lost=False)
     position, _ = position_from_info({"step": 2, "world_size": 1, "loaders": {"0": {"0": n}}}, 0, 1)
     assert [k for k in range(4) if not position.skip(k)] == [2, 3]
+
+
+def test_a_resume_with_another_number_of_data_loaders_is_refused_naming_both_and_the_checkpoint():
+    from persia.data_loader.resume import loader_count_error
+
+    info = {"step": 20, "world_size": 2, "loader_size": 1, "path": "/c/ckpt-20",
+            "loaders": {"0": {"0": 20, "1": 20}}}
+    assert loader_count_error(info, 1) is None
+    why = loader_count_error(info, 2)
+    assert "checkpoint /c/ckpt-20 was written with 1 data loaders, this job has 2" in why
+    assert "Run 1 data loaders to resume it" in why
+    assert "written with 3 data loaders, this job has 2" in loader_count_error({**info, "loader_size": 3}, 2)
+    # positions only in an earlier run (another NN world size) still bind the loaders' count
+    earlier = {**info, "loaders": {}, "earlier": [{"world_size": 1, "loaders": {"0": {"0": 5}}}]}
+    assert "this job has 2" in loader_count_error(earlier, 2)
+    # nothing trained (a fresh job, an explicit checkpoint without positions): any number starts at 0
+    assert loader_count_error(None, 3) is None
+    assert loader_count_error({**info, "loaders": {"0": {"0": 0}}}, 3) is None
+    assert loader_count_error({"step": 0, "world_size": None, "loaders": {}, "path": "/x"}, 3) is None
+    # written before the count was recorded: refused as far as the positions tell
+    old = {"step": 9, "world_size": 1, "path": "/c/ckpt-9", "loaders": {"0": {"0": 4}, "2": {"0": 5}}}
+    assert "has positions for data loader 2, this job has 2" in loader_count_error(old, 2)
+    assert loader_count_error(old, 3) is None
+
+
+def test_a_malformed_loader_count_is_refused_naming_it(tmp_path):
+    from persia.nn_worker.periodic import read_progress
+
+    (tmp_path / plan.PROGRESS).write_text('{"step": 3, "world_size": 1, "loaders": {}, "loader_size": 0}')
+    with pytest.raises(ValueError, match="loader_size 0"):
+        read_progress(tmp_path)

@@ -12,7 +12,7 @@ from persia import env
 from persia.bus import NatsBus, shared_bus, subject
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
-from persia.data_loader.resume import StreamPosition, position_from_info
+from persia.data_loader.resume import StreamPosition, loader_count_error, position_from_info
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
 from persia import messages as M
@@ -71,13 +71,20 @@ class DataCtx(BaseCtx):
         nn = self.bus.request_retry(subject("nn", "info"), None, deadline_s=discovery_deadline_s, timeout=2.0,
                                     what="waiting for NN workers")
         self.world_size = int(nn["world_size"])
-        self.resume_position = _process_position(nn.get("resume"), self.replica_index, self.world_size)
         self.skipped = 0
         self._stream = loader_stream.current()
         if self._stream.ended:
             raise PersiaError("this data loader already ended its stream (end_of_stream()); "
                               "open every DataCtx before that")
         self._closed = False
+        refused = loader_count_error(nn.get("resume"), self.replica_size)
+        if refused is not None:
+            # before anything is sent; the NN ranks hear it too (DataLoaderFailed), instead of
+            # waiting for a stream that will not come
+            log.error("data loader %d/%d: %s", self.replica_index, self.replica_size, refused)
+            self.close(failure=refused)
+            raise PersiaError(refused)
+        self.resume_position = _process_position(nn.get("resume"), self.replica_index, self.world_size)
         loader_stream.set_finisher(self._send_end_of_stream)
         if not self._stream.watching_trainers:
             self._stream.watching_trainers = True
@@ -120,6 +127,7 @@ class DataCtx(BaseCtx):
             dense = {
                 "batch_id": batch_id,
                 "loader": self.replica_index,
+                "loader_size": self.replica_size,  # recorded in checkpoints, checked on resume
                 "session": self._stream.session,
                 "epoch": self._stream.epoch,
                 "ref": ref,

@@ -51,6 +51,38 @@ class StreamPosition:
         return self.total - self.skipped
 
 
+def loader_count_error(resume: Mapping | None, loader_size: int) -> str | None:
+    """Why a job with ``loader_size`` data loaders cannot resume the checkpoint ``resume`` names
+    (the NN workers' ``nn.info`` answer or a ``progress.json`` with its ``path``), or None.
+
+    Batch ids (``counter * loaders + index``) and the user's sharding (PERSIA's scripts read shard
+    ``index`` of ``loaders``) both depend on the number of loaders, so with another number a
+    loader's stream is other batches under other ids: no skip can name the trained ones, and going
+    on would train some twice and never train others, in silence. The only exact case is a
+    checkpoint in which nothing was trained (no positions): every loader starts from the beginning.
+    A checkpoint written before the count was recorded is checked as far as its positions allow
+    (a position for loader ``k`` needs more than ``k`` loaders)."""
+    if not resume:
+        return None
+    runs = [resume, *(resume.get("earlier") or ())]
+    with_positions = sorted({int(loader) for run in runs for loader, ranks in (run.get("loaders") or {}).items()
+                             if any(int(n) > 0 for n in ranks.values())})
+    if not with_positions:
+        return None
+    saved = resume.get("loader_size")
+    if saved is None and with_positions[-1] < loader_size:
+        return None
+    if saved is not None and int(saved) == int(loader_size):
+        return None
+    written, run = ((f"was written with {saved} data loaders", f"{saved} data loaders") if saved is not None else
+                    (f"has positions for data loader {with_positions[-1]}", "the data loaders it was written with"))
+    return (f"checkpoint {resume.get('path')} {written}, this job has {loader_size}: batch ids and the data "
+            f"loaders' sharding depend on that number, so the batches trained before cannot be skipped exactly "
+            f"(some would be trained twice, others never). Run {run} to resume it, or start afresh "
+            f"(PERSIA_RESUME=never or another checkpoint directory; ctx.load_checkpoint(path) then loads "
+            f"the model alone)")
+
+
 def position_from_info(resume: Mapping | None, loader_index: int, world_size: int) -> tuple[StreamPosition | None, str | None]:
     """The position of loader ``loader_index`` from the NN workers' ``nn.info`` answer, and a note
     when the checkpoint was written with another NN world size (its positions are mapped)."""

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 
 from persia.bus import BUSY, subject
 from persia.data_loader.batch import PersiaBatch
+from persia.data_loader.resume import loader_count_error
 from persia import messages as M
 from persia.errors import DataLoaderFailed, PersiaError
 from persia.nn_worker.accounting import ACCOUNT
@@ -39,6 +40,19 @@ class _RankStream:
     seen: set = field(default_factory=set)  # (loader, session, batch_id) arrived: a retried send is trained once
     next_epoch: int = 0  # the epoch the next per-epoch view iterates
     carry: list = field(default_factory=list)  # batches of a later epoch, left by a per-epoch view
+    resume: dict | None = None  # the checkpoint this training session resumed (nn.info's "resume")
+
+    def see_loader_size(self, size: int) -> None:
+        """The number of data loaders, as a batch or an end message says it: the same from every
+        loader, and one the resumed checkpoint's positions hold for (checked before a batch of
+        theirs is trained, whatever the loaders themselves checked)."""
+        if self.loader_size is not None and self.loader_size != size:
+            raise PersiaError(f"data loaders disagree on their replica size: {self.loader_size} vs {size}")
+        if self.loader_size is None:
+            refused = loader_count_error(self.resume, size)
+            if refused is not None:
+                raise PersiaError(refused)
+        self.loader_size = size
 
     def all_final(self) -> bool:
         return self.loader_size is not None and len(self.final) == self.loader_size
@@ -59,7 +73,9 @@ def _stream_state(rank: int, owner) -> _RankStream:
     """The rank's stream state, kept by ``owner``, the outermost NN-worker context: one training
     session (a TrainCtx and the eval_ctx/DataLoaders inside it) sees one stream."""
     streams = owner.__dict__.setdefault("_rank_streams", {}) if owner is not None else {}
-    return streams.setdefault(rank, _RankStream())
+    if rank not in streams:
+        streams[rank] = _RankStream(resume=getattr(owner, "_resume_info", None))
+    return streams[rank]
 
 
 class StreamingDataset(IterableDatasetBase):
@@ -177,6 +193,8 @@ class StreamingDataset(IterableDatasetBase):
                 if self.epoch is not None and epoch > self.epoch:
                     state.carry.append((kind, msg))  # the next epoch's: its own view yields it
                     continue
+                if msg.get("loader_size") is not None:
+                    state.see_loader_size(int(msg["loader_size"]))
                 state.received[(int(msg.get("loader", 0)), epoch)] += 1
                 self.received_total += 1
                 ACCOUNT.received_from(int(msg.get("loader", 0)), msg.get("session"))
@@ -198,9 +216,7 @@ class StreamingDataset(IterableDatasetBase):
         loader, size, epoch = int(msg["loader"]), int(msg["loader_size"]), int(msg.get("epoch", 0))
         if msg.get("failed"):
             raise DataLoaderFailed(f"data loader {loader} failed: {msg['failed']}")
-        if state.loader_size is not None and state.loader_size != size:
-            raise PersiaError(f"data loaders disagree on their replica size: {state.loader_size} vs {size}")
-        state.loader_size = size
+        state.see_loader_size(size)
         state.sent[(loader, epoch)] += int(msg["sent"])
         ACCOUNT.announced(loader, msg.get("session"), int(msg["sent"]), bool(msg.get("final", True)),
                           msg.get("failed_sends") or {})

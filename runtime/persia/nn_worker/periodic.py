@@ -74,6 +74,9 @@ def read_progress(path: Path) -> dict:
     data = json.loads(f.read_text())
     if not isinstance(data, dict) or not isinstance(data.get("step"), int) or not isinstance(data.get("loaders"), dict):
         raise ValueError(f"{f}: malformed progress file")
+    size = data.get("loader_size")
+    if size is not None and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        raise ValueError(f"{f}: malformed progress file: loader_size {size!r}")
     for run in data.get("earlier") or ():
         if not (isinstance(run, dict) and isinstance(run.get("world_size"), int) and run["world_size"] >= 1
                 and isinstance(run.get("loaders"), dict)):
@@ -173,6 +176,7 @@ class PeriodicCheckpointing:
         self.resumed_from = str(path)
         self._earlier_runs, self._trained_per_loader = plan.continue_positions(progress, self.world_size, self.rank)
         self._resume_info = {"step": self.step, "world_size": progress.get("world_size"),
+                             "loader_size": progress.get("loader_size"),
                              "loaders": progress["loaders"], "earlier": progress.get("earlier") or [],
                              "path": str(path)}
         log.info("resumed from %s: step %d, loader positions %s%s (%.2fs)", path, self.step, progress["loaders"],
@@ -269,6 +273,9 @@ class PeriodicCheckpointing:
 
     def _write_cut(self, directory: Path, per_rank: list[dict[int, int]]) -> dict:
         progress = {"step": self.step, "world_size": self.world_size, "loaders": plan.merge_positions(per_rank)}
+        loaders = self._loader_size()
+        if loaders is not None:  # a resume with another number is refused (data_loader.resume)
+            progress["loader_size"] = loaders
         if self._earlier_runs:  # runs with other world sizes (only after such a resume)
             progress["earlier"] = self._earlier_runs
         # dense.pt, opt.pt, every PS shard, embedding_dump_done
@@ -281,6 +288,14 @@ class PeriodicCheckpointing:
         except Exception as exc:  # noqa: BLE001 - the checkpoint is on disk; the event is informative
             log.warning("could not publish the checkpoint event: %s", exc)
         return marker
+
+    def _loader_size(self) -> int | None:
+        """How many data loaders feed this job: as their batches say (this rank's stream), else as
+        the resumed checkpoint recorded it; None when neither knows (older loaders)."""
+        stream = self.__dict__.get("_rank_streams", {}).get(self.rank)
+        if stream is not None and stream.loader_size is not None:
+            return int(stream.loader_size)
+        return (self._resume_info or {}).get("loader_size")
 
     def _gather_positions(self) -> list[dict[int, int]]:
         """Every rank's per-loader trained counts (on rank 0), as int64 tensors over gloo: no pickle."""
