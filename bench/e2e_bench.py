@@ -89,6 +89,18 @@ class LatencyPlan:
     mlp: str = "mlp400"
 
 
+@dataclass(frozen=True)
+class PathPlan:
+    """A path CPU measurement of the headline configuration on another model or batch size: the
+    CPU per sample that bounds throughput target ``target`` (a ``bench.summary.TARGETS`` key)."""
+
+    target: str
+    mlp: str
+    batch_size: int
+    rows: tuple[int, int]  # training rows of the small and the large run of each pair
+    pairs: int = 2
+
+
 def latency_group(delay_ms: float | None) -> str:
     """The report group of a latency run: one per delay; the undelayed torch baseline its own."""
     return "latency_torch" if delay_ms is None else f"latency_{delay_ms:g}ms"
@@ -121,9 +133,9 @@ class Profile:
     # CPU per sample by role (bench/path_cpu.py): training rows of the small and the large run of
     # each pair (one pair per repeat, headline configuration); None: not measured
     path_cpu_rows: tuple[int, int] | None = None
-    # the same at batch 1024 (headline configuration otherwise), for what the cores allow the batch
-    # 1024 target (bench.summary.cpu_bound); at most 2 pairs; None: not measured
-    path_cpu_b1024_rows: tuple[int, int] | None = None
+    # more path CPU measurements, one per other throughput target, for what the cores allow it
+    # (bench.summary.cpu_bound)
+    path_cpu_targets: tuple["PathPlan", ...] = ()
     notes: tuple[str, ...] = field(default=())
 
 
@@ -182,7 +194,8 @@ PROFILES: dict[str, Profile] = {
         persia_nn_threads=2,
         latency=LatencyPlan(train_rows=60_000, test_rows=20_000),
         path_cpu_rows=(40_000, 160_000),
-        path_cpu_b1024_rows=(80_000, 320_000),
+        path_cpu_targets=(PathPlan("ratio_mlp400_b1024", "mlp400", 1024, (80_000, 320_000)),
+                          PathPlan("ratio_ffnn", "ffnn", 256, (5_000, 20_000), pairs=1)),  # ~50 s a pair
     ),
     # A few thousand rows through every stage (generator, each system, report); checks plumbing only.
     "smoke": Profile(
@@ -414,28 +427,31 @@ def run_profile(
             skip_reason[key] = rec["reason"]
 
     path_cpu: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
-    path_cpu_colocated = path_cpu_b1024 = path_cpu
+    path_cpu_colocated = path_cpu
+    path_cpu_targets: dict[str, dict[str, Any]] = {}
     if profile.path_cpu_rows and not only_latency and models is None:
         if launcher is None:
             path_cpu = {"status": "skipped", "reason": f"not yet measured: {persia_reason or 'not run: --systems leaves out our system'}"}
-            path_cpu_colocated = path_cpu_b1024 = path_cpu
+            path_cpu_colocated = path_cpu
+            path_cpu_targets = {t.target: path_cpu for t in profile.path_cpu_targets}
         else:
             from bench.path_cpu import measure_pairs
 
-            def path(rows: tuple[int, int], pairs: int, batch_size: int, colocate_ps: bool = False) -> dict[str, Any]:
+            def path(rows: tuple[int, int], pairs: int, batch_size: int, mlp: str = "mlp400",
+                     colocate_ps: bool = False) -> dict[str, Any]:
                 try:
                     return {"status": "ok", **measure_pairs(
                         launcher, data_dir, *rows, pairs, logs_dir,
                         staleness=profile.hybrid_staleness, nn_threads=profile.persia_nn_threads or 2,
-                        batch_size=batch_size, log=log, colocate_ps=colocate_ps)}
+                        batch_size=batch_size, log=log, colocate_ps=colocate_ps, mlp=mlp)}
                 except RuntimeError as exc:
                     return {"status": "failed", "reason": str(exc)}
 
             path_cpu = path(profile.path_cpu_rows, profile.repeats, profile.batch_size)
             # each PS replica inside its embedding worker's process (persia-launcher local --colocate-ps)
             path_cpu_colocated = path(profile.path_cpu_rows, profile.repeats, profile.batch_size, colocate_ps=True)
-            if profile.path_cpu_b1024_rows:
-                path_cpu_b1024 = path(profile.path_cpu_b1024_rows, min(2, profile.repeats), 1024)
+            for t in profile.path_cpu_targets:
+                path_cpu_targets[t.target] = path(t.rows, min(t.pairs, profile.repeats), t.batch_size, t.mlp)
 
     adult: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
     if profile.adult_income and not only_latency:
@@ -472,7 +488,7 @@ def run_profile(
         "adult_income": adult,
         "path_cpu": path_cpu,
         "path_cpu_colocated": path_cpu_colocated,
-        "path_cpu_b1024": path_cpu_b1024,
+        "path_cpu_targets": path_cpu_targets,
         "total_seconds": time.perf_counter() - t0,
     }
     report_docs: Path | None = docs_dir

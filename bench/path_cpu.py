@@ -8,6 +8,7 @@ what the disaggregated embedding costs beside the NN worker: data loader + embed
 
     python -m bench.path_cpu                       # 40k and 160k rows, hybrid st=2, nn-threads 2
     python -m bench.path_cpu --pairs 3 --system persia-sync
+    python -m bench.path_cpu --mlp ffnn --small-rows 5000 --large-rows 20000
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def median_by_role(pairs: list[dict[str, float]]) -> dict[str, float]:
 
 def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: int, pairs: int, logs_dir: Path,
                   system: str = "persia-hybrid", staleness: int | None = 2, nn_threads: int = 2,
-                  batch_size: int = 256, log=print, colocate_ps: bool = False) -> dict[str, Any]:
+                  batch_size: int = 256, log=print, colocate_ps: bool = False, mlp: str = "mlp400") -> dict[str, Any]:
     """``pairs`` (small, large) runs of our system; per pair the marginal CPU per sample by role."""
     from bench.e2e_bench import command_for, execute  # late: e2e_bench reports through this module
 
@@ -64,12 +65,12 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
     for i in range(pairs):
         got = {}
         for rows in (small_rows, large_rows):
-            spec = RunSpec(system=system, data_dir=str(data_dir), mlp="mlp400", batch_size=batch_size, seed=i,
+            spec = RunSpec(system=system, data_dir=str(data_dir), mlp=mlp, batch_size=batch_size, seed=i,
                            train_rows=rows, test_rows=2_000, eval_points=1, curve_eval_rows=1_000,
                            staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads,
                            colocate_ps=colocate_ps)
             argv, env = command_for(spec, launcher)
-            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-b{batch_size}{'-colocated' if colocate_ps else ''}-{i}-{rows}.log")
+            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-{mlp}-b{batch_size}{'-colocated' if colocate_ps else ''}-{i}-{rows}.log")
             if rec["status"] != "ok":
                 raise RuntimeError(f"path CPU run of {rows} rows failed: {rec.get('reason')}")
             got[rows] = rec
@@ -82,14 +83,15 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
     label = f"{system} st={staleness}" if system == "persia-hybrid" else system
     return {
         "configuration": f"{label} ps=1 ew=1{' colocated' if colocate_ps else ''} nn-threads={nn_threads}",
-        "batch_size": batch_size, "colocate_ps": colocate_ps,
+        "mlp": mlp, "batch_size": batch_size, "colocate_ps": colocate_ps,
         "rows": [small_rows, large_rows], "pairs": runs,
         "median_us_per_sample": median_by_role([r["us_per_sample"] for r in runs]),
     }
 
 
 def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
-            nn_threads: int, batch_size: int, results_dir: Path, log=print, colocate_ps: bool = False) -> dict[str, Any]:
+            nn_threads: int, batch_size: int, results_dir: Path, log=print, colocate_ps: bool = False,
+            mlp: str = "mlp400") -> dict[str, Any]:
     from bench.e2e_bench import PROFILES
 
     reason = launcher_unavailable_reason()
@@ -99,7 +101,7 @@ def measure(system: str, staleness: int | None, small_rows: int, large_rows: int
     data_dir = results_dir / "data" / profile.name
     generate_dataset(data_dir, profile.data)
     return measure_pairs(find_launcher(), data_dir, small_rows, large_rows, pairs, results_dir / "logs",
-                         system, staleness, nn_threads, batch_size, log, colocate_ps)
+                         system, staleness, nn_threads, batch_size, log, colocate_ps, mlp)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--nn-threads", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--mlp", default="mlp400", help="the synthetic-CTR model (mlp400, ffnn or 'a,b,c')")
     p.add_argument("--colocate-ps", action="store_true", help="the PS inside the embedding worker's process")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     p.add_argument("--output", type=Path, help="JSON file (default: <results>/path_cpu.json)")
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pairs < 1:
         p.error(f"--pairs must be >= 1, got {a.pairs}")
     doc = measure(a.system, a.staleness, a.small_rows, a.large_rows, a.pairs, a.nn_threads, a.batch_size,
-                  a.results_dir, colocate_ps=a.colocate_ps)
+                  a.results_dir, colocate_ps=a.colocate_ps, mlp=a.mlp)
     out = a.output or a.results_dir / "path_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -231,7 +231,7 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
     )
     w(f"![test AUC over training]({IMG_AUC})\n")
 
-    w(render_path_cpu(doc.get("path_cpu") or {}, doc.get("path_cpu_colocated"), doc.get("path_cpu_b1024")))
+    w(render_path_cpu(doc.get("path_cpu") or {}, doc.get("path_cpu_colocated"), doc.get("path_cpu_targets")))
     w("### CPU time per role\n")
     w(
         "CPU seconds (user + system, all threads) per process role, median over a configuration's runs, "
@@ -391,18 +391,21 @@ def plot_all(summary: list[dict[str, Any]], doc: dict[str, Any], docs_dir: Path)
 
 
 def render_path_cpu(pc: dict[str, Any], colocated: dict[str, Any] | None = None,
-                    b1024: dict[str, Any] | None = None) -> str:
+                    targets: dict[str, dict[str, Any]] | None = None) -> str:
     """The marginal CPU per training sample by role (bench/path_cpu.py); ``colocated``: the same
-    with each PS replica inside its embedding worker's process, as a second table; ``b1024``: the
-    headline configuration at batch 1024, a third."""
+    with each PS replica inside its embedding worker's process, as a second table; ``targets``:
+    the headline configuration on the other throughput targets' model and batch size, one more
+    table each."""
     out = ["### CPU per training sample, by role\n", _path_cpu_table(pc)]
     if colocated is not None and colocated.get("status") == "ok":
         out.append("With each PS replica inside its embedding worker's process (`persia-launcher local "
                    "--colocate-ps`: the worker calls it without gRPC), the embedding worker's column holds both:\n")
         out.append(_path_cpu_table(colocated))
-    if b1024 is not None and b1024.get("status") == "ok":
-        out.append("The headline configuration at batch 1024 (what the cores allow the batch-1024 target):\n")
-        out.append(_path_cpu_table(b1024))
+    for key, measured in (targets or {}).items():
+        if measured.get("status") == "ok":
+            what = TARGETS[key][2].split(", ", 1)[-1] if key in TARGETS else key
+            out.append(f"The headline configuration on {what} (what the cores allow that target):\n")
+            out.append(_path_cpu_table(measured))
     return "\n".join(out)
 
 
@@ -427,7 +430,7 @@ def render_cpu_bound(bounds: dict[str, dict[str, Any]], cores: int | None) -> st
             continue
         baseline_sps = b["bound_sps"] / b["bound_ratio"]
         out.append(
-            f"| {_cell(what)} | `{b['configuration']}`, batch {b['batch_size']} | {_f(baseline_sps, ',.0f')} | "
+            f"| {_cell(what)} | `{b['configuration']}`, {b.get('mlp') or 'mlp400'}, batch {b['batch_size']} | {_f(baseline_sps, ',.0f')} | "
             f"{_f(b['cpu_us_per_sample'], '.1f')} | {_f(b['bound_sps'], ',.0f')} | {_f(b['bound_ratio'], '.3f')} | "
             f">= {b['target_ratio']:g} | {_f(b['needed_us_per_sample'], '.1f')} | {_f(b['measured_ratio'], '.3f')} | "
             f"{_f(b['packing'], '.2f')} |")
@@ -441,7 +444,7 @@ def _path_cpu_table(pc: dict[str, Any]) -> str:
         return "\n".join(out)
     small, large = pc["rows"]
     out.append(
-        f"`{pc['configuration']}`, batch {pc['batch_size']}: per role, the CPU seconds of a {large:,}-row run minus "
+        f"`{pc['configuration']}`, {pc.get('mlp', 'mlp400')}, batch {pc['batch_size']}: per role, the CPU seconds of a {large:,}-row run minus "
         f"those of a {small:,}-row run, divided by the {large - small:,} extra rows (start-up, discovery and "
         f"evaluation cancel); median of {len(pc['pairs'])} pair(s). The **embedding path** is data loader + "
         "embedding worker + PS + nats-server: what the disaggregated embedding costs beside the NN worker "
@@ -503,7 +506,7 @@ def write_report(doc: dict[str, Any], docs_dir: Path | None = DOCS_DIR, results_
     summary = summarize(doc["runs"])
     head = headline(summary, doc.get("adult_income"), *headline_labels(doc), default=default_label(doc),
                     path_cpu=doc.get("path_cpu"), path_cpu_colocated=doc.get("path_cpu_colocated"),
-                    path_cpu_b1024=doc.get("path_cpu_b1024"), cores=(doc.get("machine") or {}).get("cpus"))
+                    path_cpu_targets=doc.get("path_cpu_targets"), cores=(doc.get("machine") or {}).get("cpus"))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "e2e.json").write_text(json.dumps(head, indent=2, sort_keys=False) + "\n")
     if docs_dir is None:

@@ -217,13 +217,13 @@ def _missing(deps: list[tuple[str, dict[str, Any] | None, str]]) -> str:
 def headline(
     summary: list[dict[str, Any]], adult: dict[str, Any] | None, hybrid: str = HYBRID, sync: str = SYNC,
     default: str | None = None, path_cpu: dict[str, Any] | None = None,
-    path_cpu_colocated: dict[str, Any] | None = None, path_cpu_b1024: dict[str, Any] | None = None,
+    path_cpu_colocated: dict[str, Any] | None = None, path_cpu_targets: dict[str, dict[str, Any]] | None = None,
     cores: int | None = None,
 ) -> dict[str, Any]:
     """The figures for bench/results/e2e.json; every null has its reason under ``notes``.
     ``path_cpu``: bench/path_cpu.py's measurement (``embedding_path_us_per_sample``); with
-    ``path_cpu_b1024`` (the same at batch 1024) and ``cores``, also ``cpu_bound``: what the cores
-    allow each throughput target at the measured CPU per sample.
+    ``path_cpu_targets`` (the same for the other throughput targets, by target key) and ``cores``,
+    also ``cpu_bound``: what the cores allow each throughput target at the measured CPU per sample.
     ``hybrid`` / ``sync`` label the headline hybrid configuration and its synchronous reference;
     ``default`` (None: ``hybrid``) the setting a PERSIA user gets, whose AUC gap the targets bound
     (``auc_gap_hybrid_sync``, ``auc_gap_30steps``)."""
@@ -291,7 +291,10 @@ def headline(
         notes["embedding_path_us_per_sample"] = path_cpu.get("reason") or NOT_MEASURED
     if path_cpu_colocated is not None and path_cpu_colocated.get("status") == "ok":  # --colocate-ps
         h["embedding_path_us_per_sample_colocated"] = path_cpu_colocated["median_us_per_sample"].get("embedding_path")
-    h["cpu_bound"] = cpu_bounds(cores, {"ratio_mlp400": (path_cpu, b4, h4), "ratio_mlp400_b1024": (path_cpu_b1024, bK, hK)})
+    others = path_cpu_targets or {}
+    h["cpu_bound"] = cpu_bounds(cores, {"ratio_mlp400": (path_cpu, b4, h4),
+                                        "ratio_mlp400_b1024": (others.get("ratio_mlp400_b1024"), bK, hK),
+                                        "ratio_ffnn": (others.get("ratio_ffnn"), bF, hF)})
     h["targets"] = check_targets(h)
     h["notes"] = notes
     return h
@@ -335,7 +338,7 @@ def cpu_bounds(cores: int | None, measured: dict[str, tuple[dict[str, Any] | Non
         elif not base or not base.get("sps_median"):
             out[key] = {"missing": "no baseline run"}
         else:
-            out[key] = {"configuration": pc.get("configuration"), "batch_size": pc.get("batch_size"),
+            out[key] = {"configuration": pc.get("configuration"), "mlp": pc.get("mlp"), "batch_size": pc.get("batch_size"),
                         **cpu_bound(cores, all_roles, base["sps_median"], TARGETS[key][1],
                                     ours.get("sps_median") if ours else None)}
     return out

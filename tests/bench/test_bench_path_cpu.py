@@ -117,17 +117,25 @@ def test_headline_bounds_each_throughput_target_from_its_own_path_measurement():
 
     summary = [_summary_row("mlp400", "torch threads=2", "torch", 50_000.0),
                _summary_row("mlp400", HYBRID, "persia-hybrid", 24_000.0),
-               _summary_row("mlp400_b1024", "torch threads=2", "torch", 40_000.0)]
+               _summary_row("mlp400_b1024", "torch threads=2", "torch", 40_000.0),
+               _summary_row("ffnn", "torch threads=2", "torch", 2_000.0),
+               _summary_row("ffnn", HYBRID, "persia-hybrid", 1_800.0)]
     b1024 = _measured(10.0)
     b1024["median_us_per_sample"] = {**b1024["median_us_per_sample"], "all_roles": 40.0}
     b1024["batch_size"] = 1024
-    h = headline(summary, None, path_cpu=_measured(20.0), path_cpu_b1024=b1024, cores=2)
-    b256, bK = h["cpu_bound"]["ratio_mlp400"], h["cpu_bound"]["ratio_mlp400_b1024"]
+    ffnn = _measured(10.0)
+    ffnn["median_us_per_sample"] = {**ffnn["median_us_per_sample"], "all_roles": 950.0}
+    ffnn["mlp"] = "ffnn"
+    h = headline(summary, None, path_cpu=_measured(20.0),
+                 path_cpu_targets={"ratio_mlp400_b1024": b1024, "ratio_ffnn": ffnn}, cores=2)
+    b256, bK, bF = (h["cpu_bound"][k] for k in ("ratio_mlp400", "ratio_mlp400_b1024", "ratio_ffnn"))
     assert b256["bound_sps"] == pytest.approx(2e6 / 70.0) and b256["packing"] == pytest.approx(24_000 * 70.0 / 2e6)
     assert bK["bound_ratio"] == pytest.approx(50_000 / 40_000) and bK["packing"] is None  # no hybrid run at 1024
+    assert bF["bound_ratio"] == pytest.approx(2e6 / 950.0 / 2_000) and bF["target_ratio"] == 0.97
     text = render_cpu_bound(h["cpu_bound"], 2)
     assert "| 50,000 | 70.0 | 28,571 | 0.571 | >= 0.6 | 66.7 | 0.480 | 0.84 |" in text
-    assert "batch 1024 | 40,000 | 40.0 | 50,000 | 1.250 | >= 0.8 |" in text
+    assert "mlp400, batch 1024 | 40,000 | 40.0 | 50,000 | 1.250 | >= 0.8 |" in text
+    assert "ffnn, batch 256 | 2,000 | 950.0 | 2,105 | 1.053 | >= 0.97 | 1030.9 | 0.900 | 0.86 |" in text
     missing = headline(summary, None, path_cpu=_measured(20.0), cores=2)["cpu_bound"]["ratio_mlp400_b1024"]
     assert missing == {"missing": "no path CPU measurement"}
     assert "not measured: no path CPU measurement" in render_cpu_bound({"ratio_mlp400_b1024": missing}, 2)
@@ -137,9 +145,17 @@ def test_headline_bounds_each_throughput_target_from_its_own_path_measurement():
     assert "not positive (-200.0 µs)" in headline(summary, None, path_cpu=noisy, cores=2)["cpu_bound"]["ratio_mlp400"]["missing"]
 
 
-def test_the_full_profile_measures_the_path_at_both_batch_sizes():
+def test_the_full_profile_measures_the_path_of_every_throughput_target():
     from bench.e2e_bench import PROFILES
 
+    from bench.summary import TARGETS
+
     full = PROFILES["full"]
-    assert full.path_cpu_rows and full.path_cpu_b1024_rows
-    assert full.path_cpu_b1024_rows[0] < full.path_cpu_b1024_rows[1] <= full.data.train_rows
+    assert full.path_cpu_rows
+    plans = {t.target: t for t in full.path_cpu_targets}
+    assert set(plans) == {"ratio_mlp400_b1024", "ratio_ffnn"} <= set(TARGETS)
+    models = {m.key: m for m in full.models}
+    for t in plans.values():  # each measured as that target's own runs are: model and batch size
+        group = models["mlp400_b1024" if t.target == "ratio_mlp400_b1024" else "ffnn"]
+        assert t.mlp == group.mlp and t.batch_size == (group.batch_size or full.batch_size)
+        assert 0 < t.rows[0] < t.rows[1] <= full.data.train_rows
