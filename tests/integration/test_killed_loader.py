@@ -59,9 +59,9 @@ def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imba
             _poll(lambda: ACCOUNT.received >= 4, "the NN rank acknowledging batch 3's dense part")
             first.send_signal(signal.SIGKILL)  # between the legs: the loader never counted batch 3
             out["first_rc"] = first.wait(30)
-            # restarted in place: a new process (session). A real one replays from the job's resume
-            # point (docs/reliability.md); this one sends the rest, so the counts tell the two apart
-            second = _loader(3, 3)
+            # restarted in place: a new process (session) replaying the whole stream; it asks every
+            # NN rank what it already has of this loader (nn.position) and skips that
+            second = _loader(0, 6)
             out["second"] = second.communicate(timeout=120)[0]
             out["second_rc"] = second.returncode
         except BaseException as exc:  # noqa: BLE001 - the test reads it
@@ -82,15 +82,17 @@ def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imba
     assert "error" not in out, out
     assert "holding 3" in out["first"][-1] and out["first_rc"] == -signal.SIGKILL
     assert out["second_rc"] == 0 and "stream ended" in out["second"], out["second"]
-    # the first process's batches 0-2 and the second's 0-2 (its ids start again) trained; batch 3 lost
-    assert seen == [0, 1, 2, 0, 1, 2]
+    # the first process's batches 0-2 trained and batch 3 lost; the second process skips those four
+    # (the rank acknowledged them) and sends 4 and 5. Before: it replayed all six, 0-3 again
+    assert seen == [0, 1, 2, 4, 5]
     lost = [r.getMessage() for r in caplog.records
             if r.name == "persia.nn_worker.loader" and "lost_id_features" in r.getMessage()]
     assert len(lost) == 1 and "batch 3 of data loader 0" in lost[0] and "lookup wait" in lost[0]
-    # every batch once: announced 3 (the second process), 4 arrived from the killed one (3 trained,
+    assert "the NN ranks already have 4 of this loader's batches" in out["second"], out["second"]
+    # every batch once: announced 2 (the second process), 4 arrived from the killed one (3 trained,
     # batch 3 failed), nothing unaccounted; before, the summary said "-4 ... NOT accounted for"
     result = ACCOUNT.as_result()
-    assert result == {"batches_sent": 3, "batches_unannounced": 4, "batches_trained": 6, "batches_evaluated": 0,
+    assert result == {"batches_sent": 2, "batches_unannounced": 4, "batches_trained": 5, "batches_evaluated": 0,
                       "batches_failed": {"lost_id_features": 1}}
     assert ACCOUNT.unaccounted() == 0
     summary = [r for r in caplog.records if r.name == "persia.nn_worker.accounting"]

@@ -231,3 +231,32 @@ def test_a_malformed_loader_count_is_refused_naming_it(tmp_path):
     (tmp_path / plan.PROGRESS).write_text('{"step": 3, "world_size": 1, "loaders": {}, "loader_size": 0}')
     with pytest.raises(ValueError, match="loader_size 0"):
         read_progress(tmp_path)
+
+
+def test_a_loader_restarted_in_place_skips_what_every_rank_already_has():
+    """Two NN ranks train on while loader 0's process is killed and restarted: the checkpoint the
+    job resumed from had rank 0 at 3 and rank 1 at 2 of its batches; since then rank 0 acknowledged
+    4 more and rank 1 3 more (some trained, some still in flight: they are that rank's). The new
+    process replays its stream and sends only what neither rank has."""
+    from persia.data_loader.resume import live_resume
+
+    resume = {"step": 2, "world_size": 2, "loader_size": 1, "path": "/c/ckpt-2", "earlier": [],
+              "loaders": {"0": {"0": 3, "1": 2}}}
+    answers = [{"rank": 0, "world_size": 2, "earlier": [], "loaders": {"0": 7}},
+               {"rank": 1, "world_size": 2, "earlier": [], "loaders": {"0": 5}}]
+    live = live_resume(resume, answers, 2)
+    assert live["loaders"] == {"0": {"0": 7, "1": 5}} and live["path"] == "/c/ckpt-2"
+    position, _ = position_from_info(live, 0, 2)
+    # rank 0 has batches 0, 2, .., 12 (7), rank 1 has 1, 3, .., 9 (5): 11 and 13 on are sent again
+    assert [k for k in range(16) if not position.skip(k)] == [11, 13, 14, 15]
+    # a fresh job, nothing delivered yet: no position at all, as before
+    empty = [{"rank": r, "world_size": 2, "earlier": [], "loaders": {}} for r in (0, 1)]
+    assert live_resume(None, empty, 2) is None
+    # after a resume onto another world size, the earlier run is replayed first
+    earlier = [{"world_size": 1, "loaders": {"0": {"0": 4}}}]
+    answers = [{"rank": 0, "world_size": 2, "earlier": earlier, "loaders": {"0": 1}},
+               {"rank": 1, "world_size": 2, "earlier": earlier, "loaders": {}}]
+    position, _ = position_from_info(live_resume({**resume, "world_size": 1}, answers, 2), 0, 2)
+    assert [k for k in range(8) if not position.skip(k)] == [5, 6, 7]  # 0-3 (earlier run), 4 (rank 0)
+    with pytest.raises(ValueError, match="rank 2"):
+        live_resume(resume, [{"rank": 2, "world_size": 2, "loaders": {}}], 2)

@@ -12,7 +12,7 @@ from persia import env
 from persia.bus import NatsBus, shared_bus, subject
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
-from persia.data_loader.resume import StreamPosition, loader_count_error, position_from_info
+from persia.data_loader.resume import StreamPosition, live_resume, loader_count_error, position_from_info
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
 from persia import messages as M
@@ -33,15 +33,24 @@ def batch_ref(session: str, loader: int, batch_id: int) -> int:
     return int.from_bytes(digest, "big") >> 2
 
 
-def _process_position(resume: dict | None, loader_index: int, world_size: int) -> StreamPosition | None:
-    """One position per checkpoint per process: a second ``DataCtx`` in the same process (the next
-    epoch) continues where the first stopped skipping instead of skipping again."""
-    key = (None if not resume else (resume.get("path"), resume.get("step")), loader_index)
+def _process_position(session: str, resume: dict | None, live, loader_index: int,
+                      world_size: int) -> StreamPosition | None:
+    """One position per process: a second ``DataCtx`` in the same process (the next epoch)
+    continues where the first stopped skipping instead of skipping again. ``live()``: where the
+    NN ranks are now (``resume.live_resume``), asked once, by the process's first ``DataCtx``."""
+    key = (session, loader_index)
     if key not in _positions:
-        position, note = position_from_info(resume, loader_index, world_size)
+        current = live()
+        position, _ = position_from_info(current, loader_index, world_size)
+        saved, note = position_from_info(resume, loader_index, world_size)  # the checkpoint's alone
         if note:
             log.info("%s", note)
-        if position is not None and position.total:
+        saved_total = saved.total if saved is not None else 0
+        if position is not None and position.total > saved_total:
+            log.warning("data loader %d: the NN ranks already have %d of this loader's batches (%d trained before "
+                        "the job's resume point, %s): restarted while training went on, skipping them all",
+                        loader_index, position.total, saved_total, (resume or {}).get("path") or "none")
+        elif position is not None and position.total:
             log.info("data loader %d resumes after step %s of %s: skipping %d batches already trained",
                      loader_index, position.step, position.path, position.total)
         _positions[key] = position
@@ -84,7 +93,9 @@ class DataCtx(BaseCtx):
             log.error("data loader %d/%d: %s", self.replica_index, self.replica_size, refused)
             self.close(failure=refused)
             raise PersiaError(refused)
-        self.resume_position = _process_position(nn.get("resume"), self.replica_index, self.world_size)
+        self.resume_position = _process_position(
+            self._stream.session, nn.get("resume"), lambda: self._live_resume(nn, discovery_deadline_s),
+            self.replica_index, self.world_size)
         loader_stream.set_finisher(self._send_end_of_stream)
         if not self._stream.watching_trainers:
             self._stream.watching_trainers = True
@@ -93,6 +104,16 @@ class DataCtx(BaseCtx):
         log.info("data loader %d/%d: %d embedding workers, NN world size %d (epoch %d)",
                  self.replica_index, self.replica_size, self.num_embedding_workers, self.world_size,
                  self._stream.epoch)
+
+    def _live_resume(self, nn: dict, deadline_s: float) -> dict | None:
+        """Where the NN ranks are now (``resume.live_resume``): every rank of a training job
+        (``TrainCtx``, whose ``nn.info`` carries ``resume``) says what it has of each loader."""
+        if "resume" not in nn:  # eval_ctx / InferCtx: nothing is resumed
+            return nn.get("resume")
+        answers = [self.bus.request_retry(subject("nn", "position", rank), None, deadline_s=deadline_s, timeout=2.0,
+                                          what=f"the stream position of NN rank {rank}")
+                   for rank in range(self.world_size)]
+        return live_resume(nn["resume"], answers, self.world_size)
 
     def send_data(self, persia_batch: PersiaBatch) -> None:
         if self._closed:

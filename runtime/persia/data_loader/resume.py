@@ -83,6 +83,29 @@ def loader_count_error(resume: Mapping | None, loader_size: int) -> str | None:
             f"the model alone)")
 
 
+def live_resume(resume: Mapping | None, answers: Sequence[Mapping], world_size: int) -> dict | None:
+    """Where a data loader starting *now* resumes: the checkpoint the job resumed (``resume``, from
+    ``nn.info``, or None) with this run's positions replaced by what each NN rank says it has spent
+    of every loader's batches (``nn.position.<rank>`` answers, one per rank: the checkpoint's count
+    plus what it acknowledged since; ``TrainCtx._live_position`` says why that is exact). On a
+    job's first start that is the checkpoint's positions; for a loader restarted in place, also
+    what its killed process delivered. Combined per loader and rank as checkpoints combine them."""
+    loaders: dict[str, dict[str, int]] = {}
+    earlier = (resume or {}).get("earlier") or []
+    for answer in answers:
+        rank = int(answer["rank"])
+        if not 0 <= rank < world_size or int(answer["world_size"]) != world_size:
+            raise ValueError(f"nn.position answer of rank {rank} (world size {answer['world_size']}) "
+                             f"in a job of {world_size} NN ranks")
+        earlier = answer.get("earlier") or earlier  # the same on every rank
+        for loader, n in (answer.get("loaders") or {}).items():
+            if int(n) > 0:
+                loaders.setdefault(str(int(loader)), {})[str(rank)] = int(n)
+    if resume is None and not loaders:
+        return None
+    return {**(resume or {}), "world_size": world_size, "loaders": loaders, "earlier": list(earlier)}
+
+
 def position_from_info(resume: Mapping | None, loader_index: int, world_size: int) -> tuple[StreamPosition | None, str | None]:
     """The position of loader ``loader_index`` from the NN workers' ``nn.info`` answer, and a note
     when the checkpoint was written with another NN world size (its positions are mapped)."""

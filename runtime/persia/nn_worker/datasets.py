@@ -41,6 +41,14 @@ class _RankStream:
     next_epoch: int = 0  # the epoch the next per-epoch view iterates
     carry: list = field(default_factory=list)  # batches of a later epoch, left by a per-epoch view
     resume: dict | None = None  # the checkpoint this training session resumed (nn.info's "resume")
+    # per loader index, every process of it: batches this rank acknowledged (queued), in arrival
+    # order; what a loader restarted in place skips (TrainCtx._live_position)
+    delivered: Counter = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def delivered_by_loader(self) -> dict[int, int]:
+        with self.lock:
+            return dict(self.delivered)
 
     def see_loader_size(self, size: int) -> None:
         """The number of data loaders, as a batch or an end message says it: the same from every
@@ -156,6 +164,8 @@ class StreamingDataset(IterableDatasetBase):
                 return {"queued": True, "duplicate": True}
             self._state.seen.add(key)
         if self._offer(("batch", msg)):
+            with self._state.lock:
+                self._state.delivered[key[0]] += 1
             return {"queued": True}
         with self._lock:
             self._state.seen.discard(key)

@@ -134,6 +134,7 @@ class PeriodicCheckpointing:
         self.checkpoint_seconds: list[float] = []  # how long each periodic checkpoint took
         self.checkpoint_failures = 0
         self._trained_per_loader: dict[int, int] = {}
+        self._base_positions: dict[int, int] = {}  # this run's positions when training started
         self._earlier_runs: list[dict] = []  # positions of runs with another NN world size
         self._resume_info: dict | None = None
         self._last_ckpt_step = 0
@@ -175,6 +176,7 @@ class PeriodicCheckpointing:
         self._last_ckpt_step = self.step
         self.resumed_from = str(path)
         self._earlier_runs, self._trained_per_loader = plan.continue_positions(progress, self.world_size, self.rank)
+        self._base_positions = dict(self._trained_per_loader)
         self._resume_info = {"step": self.step, "world_size": progress.get("world_size"),
                              "loader_size": progress.get("loader_size"),
                              "loaders": progress["loaders"], "earlier": progress.get("earlier") or [],
@@ -187,18 +189,47 @@ class PeriodicCheckpointing:
             apply()
 
     def _serve_checkpoint_subjects(self) -> list:
-        """Rank 0 answers ``checkpoint.latest`` (CONTRACTS.md; the operator reads it)."""
+        """Every rank answers ``nn.position.<rank>`` (where a data loader restarted in place
+        resumes); rank 0 answers ``checkpoint.latest`` (CONTRACTS.md; the operator reads it)."""
+        from persia.messages import NoPayload
+
+        subs = [self.bus.serve(subject("nn", "position", self.rank), lambda _req: self._live_position(),
+                               blocking=False, schema=NoPayload)]
         if self.rank != 0:
-            return []
+            return subs
 
         def latest(_req):
             last = self.last_checkpoint or {}
             return {"step": last.get("step"), "time": last.get("time"), "path": last.get("path"),
                     "resumed_from": self.resumed_from}
 
-        from persia.messages import NoPayload
+        return subs + [self.bus.serve(subject("checkpoint", "latest"), latest, blocking=False, schema=NoPayload)]
 
-        return [self.bus.serve(subject("checkpoint", "latest"), latest, blocking=False, schema=NoPayload)]
+    def _live_position(self) -> dict:
+        """``nn.position.<rank>``: per data loader, how many of its batches to this rank are spent
+        in this run: its position when training started (a checkpoint's, or 0) plus every batch
+        this rank has acknowledged from it since, whatever its process. A data loader restarted in
+        place (``restartPolicy: OnFailure``: the NN ranks train on) replays its stream and skips
+        them (``persia.data_loader.resume.live_resume``), so each batch is trained once:
+
+        * an acknowledged batch is this rank's: it is trained, skipped as non-finite, or lost with
+          its ID features (a process killed between its two legs; ``lost_id_features``), all of
+          which a resend must not repeat; or it is abandoned because training stops, and then the
+          job restarts from a checkpoint, whose positions count only the consumed batches;
+        * a batch the killed process sent but this rank never acknowledged (not arrived, or
+          answered busy) is not counted and is sent again, under the new process's session;
+        * what was acknowledged is a prefix of what the process sent here: it waits for both legs
+          of a batch before it sends the next. The one window is the dead process's last request
+          still on its way or waiting for room (``busy_wait_s``, 0.5 s) when the new process asks;
+          a restarted process takes seconds to get here (start, imports, NATS, discovery).
+
+        Trained counts alone (what a checkpoint records) would send the acknowledged but untrained
+        batches again while this rank still trains them: twice."""
+        stream = self.__dict__.get("_rank_streams", {}).get(self.rank)
+        delivered = stream.delivered_by_loader() if stream is not None else {}
+        loaders = {str(l): self._base_positions.get(l, 0) + delivered.get(l, 0)
+                   for l in set(self._base_positions) | set(delivered)}
+        return {"rank": self.rank, "world_size": self.world_size, "earlier": self._earlier_runs, "loaders": loaders}
 
     # -- per step ---------------------------------------------------------------------------------
     def _count_trained(self, loader: int | None, outcome: str = "trained") -> None:

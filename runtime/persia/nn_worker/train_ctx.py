@@ -107,8 +107,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         configure_embedding_parameter_servers(self, self.embedding_config)
         register_optimizer_on_all_ps(self.embedding_optimizer, self)
         self._resume_at_enter()  # before data loaders are answered: they learn where to start
+        self._subs = self._serve_checkpoint_subjects()  # nn.position too, before nn.info
         self._start_streaming()  # nn.info, after the resume: data loaders learn where to start
-        self._subs = self._serve_checkpoint_subjects()
         self._worker_clients()
         self._install_sigterm()
         self.metrics = Metrics("nn_worker", self.rank)
