@@ -448,8 +448,11 @@ def run_profile(
                     return {"status": "failed", "reason": str(exc)}
 
             path_cpu = path(profile.path_cpu_rows, profile.repeats, profile.batch_size)
-            # each PS replica inside its embedding worker's process (persia-launcher local --colocate-ps)
-            path_cpu_colocated = path(profile.path_cpu_rows, profile.repeats, profile.batch_size, colocate_ps=True)
+            # each PS replica inside its embedding worker's process (persia-launcher local --colocate-ps);
+            # 2 pairs, so that the other targets' pairs fit the 30 minutes (1,646 s plus the PS benchmark
+            # on a slow day with 3)
+            path_cpu_colocated = path(profile.path_cpu_rows, min(2, profile.repeats), profile.batch_size,
+                                      colocate_ps=True)
             for t in profile.path_cpu_targets:
                 path_cpu_targets[t.target] = path(t.rows, min(t.pairs, profile.repeats), t.batch_size, t.mlp)
 
