@@ -338,7 +338,8 @@ def cpu_bounds(cores: int | None, measured: dict[str, tuple[dict[str, Any] | Non
         elif not base or not base.get("sps_median"):
             out[key] = {"missing": "no baseline run"}
         else:
-            out[key] = {"configuration": pc.get("configuration"), "mlp": pc.get("mlp"), "batch_size": pc.get("batch_size"),
+            out[key] = {"configuration": pc.get("configuration"), "mlp": pc.get("mlp"),
+                        "batch_size": pc.get("batch_size"),
                         **cpu_bound(cores, all_roles, base["sps_median"], TARGETS[key][1],
                                     ours.get("sps_median") if ours else None)}
     return out

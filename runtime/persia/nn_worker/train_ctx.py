@@ -458,7 +458,7 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
     A NaN or Inf anywhere makes that tensor's sum non-finite, so one sum per tensor answers the
     common case. ``torch.isfinite(t).all()`` per tensor allocates a mask of every element: on the
-    FFNN's 12.9M parameters that took ~150 ms against ~2 ms for the sums, every 20 steps of ~130 ms.
+    FFNN's 12.9M parameters that took 107 ms against 2.7 ms for the sums (docs/benchmarks.md).
     A sum of large finite values can overflow to Inf, so a non-finite sum is confirmed element-wise.
     """
     tensors = [t.detach() for t in tensors]
