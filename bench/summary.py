@@ -312,6 +312,7 @@ def cpu_bound(cores: int, all_roles_us: float, baseline_sps: float, target_ratio
     bound_sps = cores * 1e6 / all_roles_us
     return {
         "cpu_us_per_sample": all_roles_us,
+        "baseline_sps": baseline_sps,
         "bound_sps": bound_sps,
         "bound_ratio": bound_sps / baseline_sps,
         "target_ratio": target_ratio,
