@@ -183,10 +183,20 @@ class PsTable(_Msg):
     signs: IdArray
 
 
+class PsAppliedQuery(_Msg):
+    """Which of ``source``'s tagged updates with seq >= ``since`` the looked-up rows reflect
+    (own-update replay, docs/architecture.md)."""
+
+    source: Index
+    since: Index
+
+
 class PsLookup(_Msg):
     train: bool
     nonce: Index | None = None  # the batch id: admission draws independent of the sharding
     tables: Annotated[list[PsTable], Field(max_length=MAX_ITEMS)]
+    state: bool = False  # also the rows' optimizer state and which positions have no row
+    applied: PsAppliedQuery | None = None
 
 
 def check_grad_table(dim: Any, signs: Any, grads: Any) -> None:
@@ -215,7 +225,18 @@ class PsGradTable(_Msg):
 
 
 class PsUpdate(_Msg):
+    """``source``/``seqs``: a tagged update (own-update replay), applied as one critical section
+    and recorded as applied for ``source``; seqs without a source are refused."""
+
     tables: Annotated[list[PsGradTable], Field(max_length=MAX_ITEMS)]
+    source: Index | None = None
+    seqs: Annotated[list[Index], Field(max_length=MAX_CARRIED_UPDATES)] = []
+
+    @model_validator(mode="after")
+    def _seqs_need_a_source(self) -> "PsUpdate":
+        if self.seqs and self.source is None:
+            raise ValueError(f"field 'seqs' ({self.seqs[:8]}) needs field 'source', which is None")
+        return self
 
 
 class PsStep(_Msg):

@@ -219,10 +219,24 @@ class EmbeddingParameterServer:
             )
         t0 = time.perf_counter()
         nonce = req.get("nonce")
-        rows = [self.store.lookup(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train, nonce)
-                for t in req["tables"]]
+        want_state, query = bool(req.get("state", False)), req.get("applied")
+        if not want_state and query is None:
+            rows = [self.store.lookup(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train, nonce)
+                    for t in req["tables"]]
+            self.metrics.observe("ps_lookup_time_cost_sec", time.perf_counter() - t0)
+            return {"rows": rows}
+        applied = None if query is None else (query["source"], query["since"])
+        got = [self.store.lookup_full(np.asarray(t["signs"], dtype=np.uint64), int(t["dim"]), train, nonce,
+                                      state=want_state, applied=applied)
+               for t in req["tables"]]
+        out: dict[str, Any] = {"rows": [r.rows for r in got]}
+        if want_state:
+            out["state"] = [r.state for r in got]
+            out["absent"] = [r.absent for r in got]
+        if query is not None:
+            out["applied"] = [r.applied for r in got]
         self.metrics.observe("ps_lookup_time_cost_sec", time.perf_counter() - t0)
-        return {"rows": rows}
+        return out
 
     def update(self, req: dict) -> dict:
         if self._optimizer is None:
@@ -236,19 +250,20 @@ class EmbeddingParameterServer:
                 M.check_grad_table(t["dim"], t["signs"], t["grads"])
             except ValueError as exc:
                 raise ValueError(f"PS replica {self.replica_index}, tables[{i}]: {exc}") from None
-        missing = 0
-        for t in tables:
-            signs = np.asarray(t["signs"], dtype=np.uint64)
-            missing += self.store.update(signs, np.asarray(t["grads"], dtype=np.float32))
+        missing = self.store.update_tables(
+            [(np.asarray(t["signs"], dtype=np.uint64), np.asarray(t["grads"], dtype=np.float32)) for t in tables],
+            source=req.get("source"), seqs=req.get("seqs") or ())
         self.metrics.observe("ps_update_time_cost_sec", time.perf_counter() - t0)
         return {"missing": missing}
 
     def step(self, req: dict) -> dict:
         """Gradients of earlier batches, then the next batch's lookup, in one call: the embedding
-        worker's way of saving a round trip (and a gRPC call on each end) per batch."""
+        worker's way of saving a round trip (and a gRPC call on each end) per batch. The reply
+        is the lookup's (``state``, ``absent``, ``applied`` when asked) plus ``missing``."""
         missing = self.update(req["update"])["missing"] if req.get("update") else 0
-        rows = self.lookup(req["lookup"])["rows"] if req.get("lookup") else []
-        return {"rows": rows, "missing": missing}
+        out = self.lookup(req["lookup"]) if req.get("lookup") else {"rows": []}
+        out["missing"] = missing
+        return out
 
     def stop(self) -> None:
         if self.incremental is not None:

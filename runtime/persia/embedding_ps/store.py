@@ -15,13 +15,15 @@ import math
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from persia.embedding_ps import checkpoint as ckpt
+from persia.embedding_ps.applied import AppliedLog
 from persia.embedding_ps import index as ix
 from persia.embedding_ps import kernels
 from persia.embedding_ps.eviction import choose_victims
@@ -38,7 +40,7 @@ from persia.hashing import unit_from_signs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HyperParameters", "EmbeddingStore", "MAX_DIM"]
+__all__ = ["HyperParameters", "EmbeddingStore", "LookupResult", "MAX_DIM"]
 
 MAX_DIM = 1 << 16
 _INITIAL_REGION_ROWS = 1024
@@ -97,6 +99,25 @@ def _as_grads(grads, n: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
+def _as_tag(value, field: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= int(value) <= 1 << 62:
+        raise ValueError(f"field {field!r} must be an integer in [0, 2**62], got {value!r}")
+    return int(value)
+
+
+class LookupResult(NamedTuple):
+    """What :meth:`EmbeddingStore.lookup_full` read, all in the critical section of the rows.
+
+    ``rows`` float32 (n, dim); with ``state``: ``state`` float32 (n, state_width) (zeros where no
+    row) and ``absent`` int32 positions with no row after the lookup; with ``applied``: sorted int64
+    seqs >= since of that source which the rows (and state) reflect. Unrequested fields are None."""
+
+    rows: np.ndarray
+    state: np.ndarray | None = None
+    absent: np.ndarray | None = None
+    applied: np.ndarray | None = None
+
+
 class EmbeddingStore:
     """Embedding rows of one PS replica.
 
@@ -134,6 +155,7 @@ class EmbeddingStore:
         self._stats_lock = threading.Lock()
         self._listeners: list[Callable[[int, np.ndarray], None]] = []
         self._staged: tuple[dict, int] | None = None  # a checkpoint staged for commit (stage/commit_staged)
+        self._applied = AppliedLog()  # tagged updates' seqs per source (update_tables, lookup_full)
 
     # -- configuration --------------------------------------------------------------------------
     @property
@@ -259,32 +281,55 @@ class EmbeddingStore:
         ``(sign, seed, nonce)``, the same on any number of PS replicas; without it, this store's
         random generator decides.
         """
+        return self._lookup(_as_signs(signs), _as_dim(dim), train, nonce, False, None).rows
+
+    def lookup_full(self, signs: np.ndarray, dim: int, train: bool, nonce: int | None = None, *,
+                    state: bool = False, applied: tuple[int, int] | None = None) -> LookupResult:
+        """:meth:`lookup`, reading more in the same critical section as the rows (own-update
+        replay: the NN worker corrects the rows with its updates they miss).
+
+        ``state``: the rows' optimizer state, and the positions with no row after the lookup
+        (not admitted, or a miss of ``train=False``). ``applied=(source, since)``: the seqs >=
+        ``since`` of that source's tagged updates (:meth:`update_tables`) the rows reflect. That
+        answer is exact: a tagged update owns every shard, so none runs while a pass reads; and
+        if one of the source's tagged updates ran between the first pass and the re-read of the
+        rows this lookup inserted, the whole batch is read again with a fresh answer. ValueError
+        naming ``applied.since`` when the source's seqs that old were pruned (nothing is created
+        then)."""
         q = _as_signs(signs)
         dim = _as_dim(dim)
+        query = None
+        if applied is not None:
+            source, since = applied
+            query = (_as_tag(source, "applied.source"), _as_tag(since, "applied.since"))
+            self._applied.check(*query)
+        return self._lookup(q, dim, train, nonce, bool(state), query)
+
+    def _lookup(self, q: np.ndarray, dim: int, train: bool, nonce: int | None, want_state: bool,
+                query: tuple[int, int] | None) -> LookupResult:
         n = q.shape[0]
         out = np.empty((n, dim), dtype=np.float32)
-        if n == 0:
-            return out
-        if dim not in self._tables and not train:
+        if n == 0 or (dim not in self._tables and not train):
             out.fill(0.0)
-            self._count(lookup_calls=1, lookup_ids=n, index_miss=n)
-            return out
+            if n:
+                self._count(lookup_calls=1, lookup_ids=n, index_miss=n)
+            seqs = self._applied.query(*query)[0] if query is not None else None
+            st = self._zero_state(dim, n) if want_state else None
+            return self._result(out, np.zeros(n, dtype=bool), st, want_state, seqs)
         self._table(dim)
         big = self.num_shards == 1 or n >= 32 * self.num_shards
         h = None if big else ix.sign_hash(q)  # a big batch hashes chunk by chunk inside locate
         touched = list(range(self.num_shards)) if big else self._touched(h)
         clock = self._tick() if train else 0
+        seqs = version = None
         with read_all(self._locks, touched):
-            table = self._tables.get(dim)
-            if table is None:  # cleared meanwhile
-                out.fill(0.0)
-                hit = np.zeros(n, dtype=bool)
-            else:
-                hit = table.gather(q, out, clock if train else None, h)
+            hit, st = self._gather(dim, q, out, clock if train else None, h, want_state)
+            if query is not None:
+                seqs, version = self._applied.query(*query)
         misses = n - int(np.count_nonzero(hit))
         self._count(lookup_calls=1, lookup_ids=n, index_miss=misses)
         if not train or misses == 0:
-            return out
+            return self._result(out, hit, st, want_state, seqs)
         # Rows read above stay valid answers even if evicted later (the lookup happened first);
         # only the misses need a second pass once they are inserted.
         miss = np.flatnonzero(~hit)
@@ -294,14 +339,42 @@ class EmbeddingStore:
         if not self._insert_all_shards(dim, new_signs, mh[first], clock):
             self._insert(dim, new_signs, mh[first], clock, admit=True, nonce=nonce)
         sub = np.empty((miss.shape[0], dim), dtype=np.float32)
-        with read_all(self._locks, self._touched(mh)):
+        with read_all(self._locks, self._touched(mh) if query is None else touched):
             table = self._tables.get(dim)
-            if table is None:
-                sub.fill(0.0)
-            else:
-                table.gather(mq, sub, clock, mh)
+            if (query is not None and self._applied.version(query[0]) != version) or (
+                    want_state and table is not None and table.state_width != st.shape[1]):
+                # a tagged update of the source (or a new optimizer) came between the passes
+                hit, st = self._gather(dim, q, out, clock, h, want_state)
+                if query is not None:
+                    seqs, version = self._applied.query(*query)
+                return self._result(out, hit, st, want_state, seqs)
+            sub_hit, sub_st = self._gather(dim, mq, sub, clock, mh, want_state)
         out[miss] = sub
-        return out
+        hit[miss] = sub_hit
+        if want_state:
+            st[miss] = sub_st
+        return self._result(out, hit, st, want_state, seqs)
+
+    def _gather(self, dim: int, q: np.ndarray, out: np.ndarray, stamp: int | None, h: np.ndarray | None,
+                want_state: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """``(hit, state or None)`` of ``q``, weights into ``out``; the caller holds the read locks."""
+        table = self._tables.get(dim)
+        if table is None:  # cleared meanwhile
+            out.fill(0.0)
+            return np.zeros(q.shape[0], dtype=bool), self._zero_state(dim, q.shape[0]) if want_state else None
+        if want_state:
+            return table.gather_state(q, out, stamp, h)
+        return table.gather(q, out, stamp, h), None
+
+    def _zero_state(self, dim: int, n: int) -> np.ndarray:
+        table = self._tables.get(dim)
+        width = table.state_width if table is not None else state_width(self._optimizer, dim)
+        return np.zeros((n, width), dtype=np.float32)
+
+    @staticmethod
+    def _result(rows, hit, st, want_state, seqs) -> LookupResult:
+        absent = np.flatnonzero(~hit).astype(np.int32) if want_state else None
+        return LookupResult(rows, st, absent, seqs)
 
     def update(self, signs: np.ndarray, grads: np.ndarray) -> int:
         """Apply one optimizer step to the rows of ``signs``; returns how many signs had no row.
@@ -310,27 +383,72 @@ class EmbeddingStore:
         A sign repeated within one call gets the sum of its gradients in a single step (the
         embedding worker already reduces per distinct ID, so this is the rare path).
         """
+        return self._apply_and_notify(*self._prepare_update(signs, grads))
+
+    def update_tables(self, tables: Sequence[tuple[np.ndarray, np.ndarray]], *, source: int | None = None,
+                      seqs: Sequence[int] = ()) -> int:
+        """:meth:`update` of each ``(signs, grads)`` in turn; returns the signs without a row.
+
+        With ``source`` (an update tagged for own-update replay): every table is applied while
+        this store owns every shard, and ``seqs`` are recorded as applied for ``source`` before
+        it lets go, so a lookup (:meth:`lookup_full`) sees all of the update or none of it, and
+        is told which. Every table is checked before any is applied. Without ``source``: the
+        per-shard locking of :meth:`update` (``seqs`` must then be empty)."""
+        if source is None:
+            if len(seqs):
+                raise ValueError(f"field 'seqs' ({list(seqs)[:8]}) needs field 'source', which is None")
+            prepared = [self._prepare_update(s, g) for s, g in tables]
+            return sum(self._apply_and_notify(q, g, cfg) for q, g, cfg in prepared)
+        source = _as_tag(source, "source")
+        seqs = [_as_tag(s, "seqs") for s in seqs]
+        prepared = [self._prepare_update(s, g) for s, g in tables]
+        missing, changed = 0, []
+        with write_all(self._locks):
+            for q, g, cfg in prepared:
+                if q.shape[0]:
+                    m, c = self._apply_update(q, g, cfg, held=True)
+                    missing += m
+                    changed.append(c)
+            self._applied.record(source, seqs)
+        self._notify(changed)
+        return missing
+
+    def _apply_and_notify(self, q, g, cfg) -> int:
+        if q.shape[0] == 0:
+            return 0
+        missing, changed = self._apply_update(q, g, cfg, held=False)
+        self._notify([changed])
+        return missing
+
+    def _prepare_update(self, signs, grads) -> tuple[np.ndarray, np.ndarray, OptimizerConfig]:
         q = _as_signs(signs)
         g = _as_grads(grads, q.shape[0])
-        n, dim = g.shape
         cfg = self._optimizer
         if cfg is None:
             raise RuntimeError("update before register_optimizer: the trainer registers the embedding optimizer first")
-        if n == 0:
-            return 0
+        return q, g, cfg
+
+    def _apply_update(self, q, g, cfg, held: bool) -> tuple[int, tuple[int, np.ndarray | None]]:
+        """One table's step (``held``: the caller owns every shard). Returns (missing, (dim,
+        updated signs or None)) for :meth:`_notify`, which runs once the locks are released."""
+        n, dim = g.shape
         bound = self._hp.weight_bound
-        if self.use_kernel:
-            missing, folded, promoted, updated = self._update_compiled(q, g, dim, cfg, bound)
-        else:
-            missing, folded, promoted, updated = self._update_numpy(q, g, dim, cfg, bound)
+        apply = self._update_compiled if self.use_kernel else self._update_numpy
+        missing, folded, promoted, updated = apply(q, g, dim, cfg, bound, held)
         self._count(update_calls=1, update_ids=n, gradient_id_miss=missing, duplicate_update_ids=folded,
                     index_promotions=promoted)
-        if updated is not None and updated.shape[0]:
-            for fn in list(self._listeners):
-                fn(dim, updated)
-        return missing
+        return missing, (dim, updated)
 
-    def _update_compiled(self, q, g, dim, cfg, bound):
+    def _notify(self, changed: list[tuple[int, np.ndarray | None]]) -> None:
+        for dim, updated in changed:
+            if updated is not None and updated.shape[0]:
+                for fn in list(self._listeners):
+                    fn(dim, updated)
+
+    def _shard_lock(self, k: int, held: bool):
+        return nullcontext() if held else self._locks[k].write()
+
+    def _update_compiled(self, q, g, dim, cfg, bound, held=False):
         """The batch sorted by shard in one pass, then per shard, under its write lock, one kernel
         call locates the rows, steps the optimizer, clips and promotes. Returns (missing, folded,
         promoted, updated signs)."""
@@ -347,7 +465,7 @@ class EmbeddingStore:
             a, b = bounds[k], bounds[k + 1]
             if a == b:
                 continue
-            with self._locks[k].write():
+            with self._shard_lock(k, held):
                 table = self._tables.get(dim)
                 if table is None:
                     missing += b - a
@@ -358,7 +476,7 @@ class EmbeddingStore:
             promoted += r.promoted
         return missing, folded, promoted, (q[hit] if self._listeners else None)
 
-    def _update_numpy(self, q, g, dim, cfg, bound):
+    def _update_numpy(self, q, g, dim, cfg, bound, held=False):
         """Shard by shard under its write lock: locate, sum duplicates, gather, step, scatter,
         promote. Returns (missing, folded, promoted, updated signs)."""
 
@@ -372,7 +490,7 @@ class EmbeddingStore:
             qk = q if sel is None else q[sel]
             hk = h if sel is None else h[sel]
             gk = g if sel is None else np.take(g, sel, axis=0)
-            with self._locks[k].write():
+            with self._shard_lock(k, held):
                 table = self._tables.get(dim)
                 if table is None:
                     missing += qk.shape[0]
@@ -556,8 +674,10 @@ class EmbeddingStore:
         return sorted(self._tables)
 
     def clear(self) -> None:
+        """Drop every row, and the record of applied tagged updates (the rows no longer reflect them)."""
         with write_all(self._locks):
             self._tables = {}
+            self._applied.clear()
 
     def memory_bytes(self) -> int:
         """Bytes of every preallocated array (the resident size once rows are written)."""
@@ -640,6 +760,7 @@ class EmbeddingStore:
         tables, total = staged
         with write_all(self._locks):
             self._tables = tables
+            self._applied.clear()  # the loaded rows reflect none of the updates recorded so far
         self._count(loaded_rows=total)
         return total
 

@@ -186,6 +186,24 @@ class DimTable:
             self.stamps[rows if hit.all() else rows[hit]] = stamp
         return hit
 
+    def gather_state(self, signs: np.ndarray, out: np.ndarray, stamp: int | None,
+                     h: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`gather`, also returning the found rows' optimizer state, float32
+        ``(n, state_width)``, zeros for misses: ``(hit, state)``. One vectorized take."""
+        if self.use_kernel:
+            rows, hit, _, _, _ = kernels.locate(self, signs, out, stamp=stamp)
+            found = hit.all()
+        else:
+            rows, hit, _, _ = self.locate(signs, h, out)
+            found = hit.all()
+            if stamp is not None:
+                self.stamps[rows if found else rows[hit]] = stamp
+        if found:
+            return hit, np.take(self.state, rows, axis=0)
+        state = np.take(self.state, np.where(hit, rows, 0), axis=0)
+        state[~hit] = 0.0
+        return hit, state
+
     def _probe_pending(self, signs, pos, g, hit, pending, out_rows) -> None:
         """Linear probe rounds for the signs not found at home, vectorized over all of them.
         Each round gathers whole rows, so a found row's weights are copied out at once."""
