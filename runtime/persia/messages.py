@@ -185,7 +185,7 @@ class PsTable(_Msg):
 
 class PsAppliedQuery(_Msg):
     """Which of ``source``'s tagged updates with seq >= ``since`` the looked-up rows reflect
-    (own-update replay, docs/architecture.md)."""
+    (own-update replay, docs/ps-storage.md)."""
 
     source: Index
     since: Index

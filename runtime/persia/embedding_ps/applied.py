@@ -1,5 +1,5 @@
-"""Which tagged updates a PS replica has applied, per update source (docs/architecture.md,
-"Own-update replay").
+"""Which tagged updates a PS replica has applied, per update source (docs/ps-storage.md,
+"Tagged updates and consistent lookups").
 
 An NN worker tags each update with its *source* (one random integer per TrainCtx) and a *seq*
 (1, 2, 3, ... per source). The store records a tagged update's seqs in the same critical section

@@ -23,9 +23,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from persia.embedding_ps import checkpoint as ckpt
-from persia.embedding_ps.applied import AppliedLog
 from persia.embedding_ps import index as ix
 from persia.embedding_ps import kernels
+from persia.embedding_ps.applied import AppliedLog
 from persia.embedding_ps.eviction import choose_victims
 from persia.embedding_ps.optimizers import (
     OptimizerConfig,
