@@ -1,0 +1,204 @@
+"""Own-update replay: the NN worker re-applies its own embedding updates that the PS had not yet
+applied when a batch's rows were read, so hybrid training reads its own writes.
+
+Pure functions, no I/O: :func:`applied_tables` computes, from the NN's copy of a lookup reply,
+exactly the rows and gradients the PS will apply for one update (what the embedding worker's
+``check_gradients`` + ``split_gradients`` send, over every replica); :class:`UpdateHistory` keeps
+those updates by seq; :func:`correct_table` replays the missed ones on a looked-up table with the
+PS's own optimizer step (:func:`persia.embedding_ps.optimizers.apply_step`), so the corrected rows
+equal a read taken after those updates. Other ranks' updates stay stale, as in PERSIA.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from persia.embedding_ps.optimizers import apply_step, state_width
+
+__all__ = ["SentUpdate", "applied_tables", "correct_table", "UpdateHistory"]
+
+
+def _check_sorted_signs(signs: np.ndarray, field: str) -> None:
+    if signs.ndim != 1 or signs.dtype != np.uint64:
+        raise ValueError(f"field {field!r}: expected a 1-D uint64 array, got {signs.dtype} of shape {signs.shape}")
+    if signs.size > 1 and not bool((signs[1:] > signs[:-1]).all()):
+        raise ValueError(f"field {field!r}: signs must be sorted and distinct (searchsorted relies on it)")
+
+
+@dataclass(frozen=True)
+class SentUpdate:
+    """One update the NN worker sent: ``tables``: dim -> (sorted distinct uint64 signs, float32
+    (k, dim) gradients exactly as the PS applies them)."""
+
+    seq: int
+    tables: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.seq, bool) or not isinstance(self.seq, (int, np.integer)) or self.seq < 0:
+            raise ValueError(f"field 'seq': expected a non-negative integer, got {self.seq!r}")
+        for dim, (signs, grads) in self.tables.items():
+            _check_sorted_signs(signs, f"tables[{dim}].signs")
+            if grads.dtype != np.float32 or grads.shape != (signs.size, dim):
+                raise ValueError(f"field 'tables[{dim}].grads': expected float32 of shape ({signs.size}, {dim}), "
+                                 f"got {grads.dtype} of shape {grads.shape}")
+
+
+def applied_tables(tables: list[dict], slots: list[dict], grads: list, scale: float,
+                   unused_slots: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """What the PS applies for one update, computed from the NN's copy of the lookup reply:
+    ``tables[i]`` = {"dim", "signs" (sorted uint64, n), "rows", optional "gather" (k, bs)};
+    ``slots`` as :func:`persia.embedding_worker.pipeline.lookup_reply` makes them. Equals
+    ``pipeline.check_gradients`` + ``split_gradients`` over all replicas (sorted by sign): the
+    scale undone by the same float32 multiply, a dim with any non-finite gradient dropped, rows
+    only of used slots (raw slots: only kept rows, ``raw_index > 0``). Dims with no row to update
+    are left out, as the PS gets nothing for them.
+    """
+    if len(grads) != len(tables):
+        raise ValueError(f"field 'grads': expected {len(tables)} per-dim gradients, got {len(grads)}")
+    unused = set()
+    for x in unused_slots:
+        if not 0 <= x < len(slots):
+            raise ValueError(f"field 'unused_slots': slot position {x} out of range 0..{len(slots) - 1}")
+        unused.add(x)
+    by_dim = {}
+    for i, t in enumerate(tables):
+        if t["dim"] in by_dim:
+            raise ValueError(f"field 'tables[{i}].dim': dim {t['dim']} appears twice")
+        by_dim[t["dim"]] = t
+    inv_scale = np.float32(1.0 / scale) if scale != 1.0 else None
+    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for i, (t, g) in enumerate(zip(tables, grads)):
+        if g is None:
+            continue
+        d, signs = t["dim"], t["signs"]
+        _check_sorted_signs(signs, f"tables[{i}].signs")
+        if g.shape != (signs.size, d):
+            raise ValueError(f"field 'grads[{i}]': expected shape {(signs.size, d)}, got {tuple(g.shape)}")
+        g = np.asarray(g, dtype=np.float32)
+        if not np.isfinite(g).all():
+            continue  # the embedding worker drops the whole dim
+        if inv_scale is not None:
+            g = g * inv_scale
+        members = [(k, s) for k, s in enumerate(slots) if s["dim"] == d]
+        if not any(k in unused or "raw_index" in s for k, s in members):
+            sel = None  # every row of the dim occurs in a used summed slot
+        else:
+            mask = np.zeros(signs.size, dtype=bool)
+            for k, s in members:
+                if k in unused:
+                    continue
+                if "raw_index" in s:
+                    raw = s["raw_index"]
+                    mask[raw[raw > 0] - 1] = True  # only the IDs within sample_fixed_size
+                elif "gather" in s:
+                    mask[t["gather"][s["gather"]]] = True
+                else:
+                    mask[s["index"]] = True
+            sel = np.flatnonzero(mask)
+        if sel is None:
+            if signs.size:
+                out[d] = (signs, g)
+        elif sel.size:
+            out[d] = (signs[sel], g[sel])
+    return out
+
+
+def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarray,
+                  replica: np.ndarray, absent: np.ndarray, applied: list[np.ndarray],
+                  missed: list[SentUpdate], cfg, weight_bound: float
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
+    """``rows``/``state`` of one looked-up table as they would read had every update in
+    ``missed`` (ascending seq) been applied before the read: for each update, the rows whose sign
+    it has, that are not ``absent`` and whose PS replica (``replica[i]`` indexes ``applied``, each
+    a sorted array of the seqs that replica had applied at the read) had not applied its seq, get
+    ``apply_step(cfg, w, s, g, weight_bound)``, in seq order. Returns new arrays (the inputs are
+    read-only wire views, never written) and the number of row-steps replayed. One searchsorted
+    and one optimizer step per update, no per-row Python.
+    """
+    n = signs.shape[0]
+    _check_sorted_signs(signs, "signs")
+    absent = np.asarray(absent, dtype=np.int64)
+    if rows.shape != (n, dim):
+        raise ValueError(f"field 'rows': expected shape ({n}, {dim}), got {rows.shape}")
+    width = state_width(cfg, dim)
+    if state.shape != (n, width):
+        raise ValueError(f"field 'state': expected shape ({n}, {width}) for {type(cfg).__name__}, got {state.shape}")
+    if replica.shape != (n,):
+        raise ValueError(f"field 'replica': expected shape ({n},), got {replica.shape}")
+    if n and int(replica.max()) >= len(applied):
+        raise ValueError(f"field 'replica': replica {int(replica.max())} but 'applied' has {len(applied)} entries")
+    if absent.size and not (0 <= int(absent.min()) and int(absent.max()) < n):
+        raise ValueError(f"field 'absent': positions must lie in 0..{n - 1}, got {int(absent.min())}..{int(absent.max())}")
+    for a, b in zip(missed, missed[1:]):
+        if b.seq <= a.seq:
+            raise ValueError(f"field 'missed': seqs must ascend, got {a.seq} then {b.seq}")
+    new_rows = np.array(rows, dtype=np.float32, order="C")
+    new_state = np.array(state, dtype=np.float32, order="C")
+    live = np.ones(n, dtype=bool)
+    live[absent] = False
+    replayed = 0
+    for u in missed:
+        t = u.tables.get(dim)
+        if t is None or n == 0:
+            continue
+        usigns, ugrads = t
+        pos = np.searchsorted(signs, usigns)
+        np.minimum(pos, n - 1, out=pos)
+        hit = signs[pos] == usigns
+        # which replicas had already applied this update when they read (few replicas: a short loop)
+        done = np.array([a.size > 0 and bool(a[min(int(np.searchsorted(a, u.seq)), a.size - 1)] == u.seq)
+                         for a in applied], dtype=bool)
+        hit &= live[pos]
+        hit &= ~done[replica[pos]]
+        sel = np.flatnonzero(hit)
+        if not sel.size:
+            continue
+        p = pos[sel]
+        w, s = new_rows[p], new_state[p]
+        apply_step(cfg, w, s, np.take(ugrads, sel, axis=0), weight_bound)
+        new_rows[p] = w
+        new_state[p] = s
+        replayed += sel.size
+    return new_rows, new_state, replayed
+
+
+class UpdateHistory:
+    """Thread-safe store of sent updates by seq: ``add(SentUpdate)`` (seqs strictly ascending),
+    ``since(seq)`` -> the ascending list of updates with seq >= given, ``forget_below(seq)``.
+    Asking ``since`` below what was forgotten raises: those updates can no longer be replayed,
+    and a silently short list would leave rows stale."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seqs: list[int] = []
+        self._updates: list[SentUpdate] = []
+        self._horizon = 0  # every update with seq below it was forgotten
+
+    def add(self, update: SentUpdate) -> None:
+        with self._lock:
+            if self._seqs and update.seq <= self._seqs[-1]:
+                raise ValueError(f"field 'seq': {update.seq} is not above the last added seq {self._seqs[-1]}")
+            if update.seq < self._horizon:
+                raise ValueError(f"field 'seq': {update.seq} is below the forgotten horizon {self._horizon}")
+            self._seqs.append(int(update.seq))
+            self._updates.append(update)
+
+    def since(self, seq: int) -> list[SentUpdate]:
+        with self._lock:
+            if seq < self._horizon:
+                raise ValueError(f"since({seq}): updates below seq {self._horizon} were forgotten")
+            return self._updates[bisect.bisect_left(self._seqs, seq):]
+
+    def forget_below(self, seq: int) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self._seqs, seq)
+            del self._seqs[:i], self._updates[:i]
+            self._horizon = max(self._horizon, int(seq))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._seqs)
