@@ -65,20 +65,17 @@ def _batch(rng, names, bs):
 
 
 def _grads(rng, tables):
+    """Per-dim gradients: some None (no gradient), some with a NaN or inf (the dim is dropped)."""
     out = []
-    for signs in tables.values():
+    for d, signs in tables.items():
         if rng.random() < 0.1:
             out.append(None)
             continue
-        g = (rng.standard_normal((signs.size, _dim_of(tables, signs))) * 100).astype(np.float32)
+        g = (rng.standard_normal((signs.size, d)) * 100).astype(np.float32)
         if g.size and rng.random() < 0.2:
             g.flat[rng.integers(g.size)] = rng.choice([np.nan, np.inf, -np.inf])
         out.append(g)
     return out
-
-
-def _dim_of(tables, signs):
-    return next(d for d, s in tables.items() if s is signs)
 
 
 def _reference(prepared, grads, scale, unused, replicas):
