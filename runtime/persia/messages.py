@@ -249,6 +249,9 @@ class PsStep(_Msg):
 class WorkerLookup(_Msg):
     ref: Index
     train: bool = True  # False from eval/infer contexts: no rows created, no gradients awaited
+    # the NN worker re-applies its own updates this read misses (persia.nn_worker.own_updates):
+    # the reply then carries the rows' signs, optimizer state and which of its updates were applied
+    replay: PsAppliedQuery | None = None
 
 
 class WorkerLookupDirect(_Msg):
@@ -265,6 +268,14 @@ class WorkerUpdate(_Msg):
     grads: Annotated[list[Annotated[Any, _array("f", 2)] | None], Field(max_length=MAX_ITEMS)]
     scale: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 1.0
     unused_slots: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_ITEMS)]], Field(max_length=MAX_ITEMS)] = []
+    source: Index | None = None  # the NN worker's numbering of its updates (persia.nn_worker.own_updates)
+    seq: Index | None = None
+
+    @model_validator(mode="after")
+    def _seq_needs_a_source(self) -> "WorkerUpdate":
+        if self.seq is not None and self.source is None:
+            raise ValueError(f"field 'seq' ({self.seq}) needs field 'source', which is None")
+        return self
 
 
 class WorkerStep(_Msg):
@@ -273,6 +284,7 @@ class WorkerStep(_Msg):
     ref: Index
     train: bool = True
     updates: Annotated[list[WorkerUpdate], Field(max_length=MAX_CARRIED_UPDATES)] = []
+    replay: PsAppliedQuery | None = None  # as in WorkerLookup
 
 
 class WorkerRelease(_Msg):

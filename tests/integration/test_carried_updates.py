@@ -42,6 +42,7 @@ def _run(monkeypatch, carry: bool):
     else:  # nothing is ever claimed: every update goes alone, at once (stays patched to the end)
         monkeypatch.setattr(UpdateOutbox, "claim_for", lambda self, worker: [])
         monkeypatch.setattr(UpdateOutbox, "claim_permit", lambda self: None)
+        monkeypatch.setattr(UpdateOutbox, "reserve_permit", lambda self: None)  # the same, with replay
         monkeypatch.setenv("PERSIA_UPDATE_HOLD_MS", "0")
     torch.manual_seed(0)
     model = Model()

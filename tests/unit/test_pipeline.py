@@ -329,3 +329,35 @@ def test_rows_and_gradients_travel_to_and_from_the_right_replica(shards):
     assert sorted(sent) == sorted(tables[4][touched].tolist())
     for i in np.flatnonzero(touched):
         np.testing.assert_array_equal(sent[int(tables[4][i])], truth[4][i])
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_the_replay_part_of_a_reply_puts_each_replicas_answer_on_its_rows(shards):
+    """State, replica, absent rows and applied seqs, from per-replica answers back in table order."""
+    rng = np.random.default_rng(2)
+    tables = {4: np.unique(rng.integers(0, 2**63, size=200, dtype=np.uint64)), 2: np.empty(0, np.uint64),
+              3: np.unique(rng.integers(0, 2**63, size=50, dtype=np.uint64))}
+    positions = pipeline.split_by_shard(tables, shards)
+    state = {d: rng.standard_normal((s.size, 5)).astype(np.float32) for d, s in tables.items()}
+    gone = {d: rng.random(s.size) < 0.1 for d, s in tables.items()}
+    replies = []
+    for s, part in enumerate(positions):
+        if not part:
+            replies.append(None)
+            continue
+        replies.append({"state": [state[d][p] for d, p in part.items()],
+                        "absent": [np.flatnonzero(gone[d][p]).astype(np.int32) for d, p in part.items()],
+                        "applied": [np.array([10 + s, 20 + s], dtype=np.int64) for _ in part]})
+    out = pipeline.replay_reply(tables, positions, replies)
+    assert out["replicas"] == shards and len(out["tables"]) == len(tables)
+    for entry, (d, signs) in zip(out["tables"], tables.items()):
+        np.testing.assert_array_equal(entry["signs"], signs)
+        assert entry["state"].shape == (signs.size, 5 if signs.size else 0)
+        if signs.size:
+            np.testing.assert_array_equal(entry["state"], state[d])
+        np.testing.assert_array_equal(entry["replica"], shard_of(signs, shards))
+        np.testing.assert_array_equal(entry["absent"], np.flatnonzero(gone[d]))
+        for s in range(shards):
+            owns = d in positions[s]
+            expect = [10 + s, 20 + s] if owns else []
+            assert entry["applied"][s].tolist() == expect

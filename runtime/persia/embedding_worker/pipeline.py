@@ -232,23 +232,60 @@ def assemble_rows(tables: dict[int, np.ndarray], positions: list[dict[int, np.nd
                   replies: list[list[np.ndarray] | None]) -> dict[int, np.ndarray]:
     """Each dim's rows in table order from the PS replicas' answers (``replies[s]``: the rows of
     ``positions[s]``, dim by dim). A dim wholly on one replica is taken as it came (no copy)."""
-    rows: dict[int, np.ndarray] = {}
+    return _assemble(tables, positions, replies, width=lambda d: d)
+
+
+def _assemble(tables: dict[int, np.ndarray], positions: list[dict[int, np.ndarray]],
+              replies: list[list[np.ndarray] | None], width) -> dict[int, np.ndarray]:
+    """Per-row arrays of each dim in table order from the replicas' per-position answers;
+    ``width(dim)``: the columns of a dim with no row at all."""
+    out: dict[int, np.ndarray] = {}
     for s, reply in enumerate(replies):
         if reply is None:
             continue
         for (d, p), r in zip(positions[s].items(), reply):
             if p.size == tables[d].size:  # the whole table (positions are then 0..n-1, in order)
-                rows[d] = r
+                out[d] = r
                 continue
-            if d not in rows:
-                rows[d] = np.empty((tables[d].size, d), dtype=np.float32)
-            rows[d][p] = r
+            if d not in out:
+                out[d] = np.empty((tables[d].size, r.shape[1]), dtype=r.dtype)
+            out[d][p] = r
     for d, signs in tables.items():
-        if d not in rows:
+        if d not in out:
             if signs.size:
                 raise ValueError(f"no PS replica answered for the {signs.size} rows of dim {d}")
-            rows[d] = np.empty((0, d), dtype=np.float32)
-    return rows
+            out[d] = np.empty((0, width(d)), dtype=np.float32)
+    return out
+
+
+def replay_reply(tables: dict[int, np.ndarray], positions: list[dict[int, np.ndarray]],
+                 replies: list[dict | None]) -> dict:
+    """What the NN worker needs to re-apply its own updates a lookup missed
+    (:mod:`persia.nn_worker.replay`), from the PS replicas' answers to a lookup asked with
+    ``state`` and ``applied``: per table (in ``tables`` order) the distinct ``signs``, their
+    optimizer ``state``, the PS ``replica`` of each row, the ``absent`` rows (no row on the PS)
+    and, per replica, the seqs of the NN worker's updates ``applied`` when the rows were read."""
+    n_replicas = len(replies)
+    state = _assemble(tables, positions, [None if r is None else r["state"] for r in replies], width=lambda d: 0)
+    out = []
+    for i, (d, signs) in enumerate(tables.items()):
+        replica = np.zeros(signs.size, dtype=np.uint16)
+        applied = [np.empty(0, dtype=np.int64)] * n_replicas
+        absent = []
+        for s, reply in enumerate(replies):
+            p = positions[s].get(d)
+            if reply is None or p is None:
+                continue
+            k = list(positions[s]).index(d)  # the replica's answers come dim by dim, in its order
+            replica[p] = s
+            applied[s] = np.asarray(reply["applied"][k], dtype=np.int64)
+            gone = np.asarray(reply["absent"][k])
+            if gone.size:
+                absent.append(p[gone])
+        out.append({"signs": signs, "state": state[d], "replica": replica, "applied": applied,
+                    "absent": np.sort(np.concatenate(absent)).astype(np.int32) if absent
+                    else np.empty(0, dtype=np.int32)})
+    return {"tables": out, "replicas": n_replicas}
 
 
 @dataclass

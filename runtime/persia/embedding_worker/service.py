@@ -71,6 +71,12 @@ def discover(bus: NatsBus, service: str, deadline_s: float) -> list[dict]:
     return out
 
 
+def _replay(req: dict, train: bool) -> dict | None:
+    """The NN worker's ``replay`` query of a training lookup (None: not asked, or not training)."""
+    replay = req.get("replay")
+    return {"source": int(replay["source"]), "since": int(replay["since"])} if replay and train else None
+
+
 class EmbeddingWorker:
     def __init__(
         self,
@@ -187,11 +193,15 @@ class EmbeddingWorker:
         return [None if f is None else self.ps[s].result(method, f) for s, f in enumerate(futures)]
 
     def _lookup_requests(self, prepared: pipeline.PreparedBatch, train: bool,
-                         nonce: int | None = None) -> tuple[list, list[dict | None]]:
+                         nonce: int | None = None, replay: dict | None = None) -> tuple[list, list[dict | None]]:
         """Per PS replica: the positions (into ``prepared.tables``) of the signs it owns and its
-        lookup request (None when it owns none)."""
+        lookup request (None when it owns none). ``replay`` (``{source, since}``): the NN worker
+        re-applies its own updates the read missed, so the rows come with their optimizer state
+        and the seqs of its updates already applied (:mod:`persia.nn_worker.replay`)."""
         positions = pipeline.split_by_shard(prepared.tables, len(self.ps))
         extra = {} if nonce is None else {"nonce": nonce}  # the batch id: sharding-free admission draws
+        if replay is not None:
+            extra.update(state=True, applied=replay)
         requests = [
             {"train": train, "tables": [{"dim": d, "signs": prepared.tables[d][p]} for d, p in positions[s].items()],
              **extra}
@@ -201,16 +211,20 @@ class EmbeddingWorker:
         return positions, requests
 
     @staticmethod
-    def _reply(prepared: pipeline.PreparedBatch, positions: list, replies: list) -> dict:
+    def _reply(prepared: pipeline.PreparedBatch, positions: list, replies: list, replay: bool = False) -> dict:
         """The NN's lookup reply from the PS replicas' answers (None: a replica not asked)."""
         rows = pipeline.assemble_rows(prepared.tables, positions,
                                       [None if r is None else r["rows"] for r in replies])
-        return pipeline.lookup_reply(prepared, rows)
+        reply = pipeline.lookup_reply(prepared, rows)
+        if replay:
+            reply["replay"] = pipeline.replay_reply(prepared.tables, positions, replies)
+        return reply
 
     def _lookup_prepared(self, prepared: pipeline.PreparedBatch, train: bool,
-                         nonce: int | None = None) -> tuple[dict, list]:
-        positions, requests = self._lookup_requests(prepared, train, nonce)
-        return self._reply(prepared, positions, self._call_ps("Lookup", requests)), positions
+                         nonce: int | None = None, replay: dict | None = None) -> tuple[dict, list]:
+        positions, requests = self._lookup_requests(prepared, train, nonce, replay)
+        replies = self._call_ps("Lookup", requests)
+        return self._reply(prepared, positions, replies, replay is not None), positions
 
     def _take_for_lookup(self, req: dict) -> tuple[int, dict, pipeline.PreparedBatch, bool]:
         ref = int(req["ref"])
@@ -240,7 +254,7 @@ class EmbeddingWorker:
     def lookup(self, req: dict) -> dict:
         t0 = time.perf_counter()
         ref, batch, prepared, train = self._take_for_lookup(req)
-        reply, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"))
+        reply, positions = self._lookup_prepared(prepared, train, batch.get("batch_id"), _replay(req, train))
         self._looked_up(ref, batch, prepared, positions, train, t0)
         return reply
 
@@ -252,6 +266,21 @@ class EmbeddingWorker:
         self.metrics.inc("worker_lookup_ids", pipeline.num_ids(req["features"]))
         self.metrics.observe("lookup_direct_time_cost_sec", time.perf_counter() - t0)
         return reply
+
+    @staticmethod
+    def _tagged(tables: list[dict], updates: list[dict]) -> dict | None:
+        """A PS update request: ``tables``, and the NN worker's seqs of ``updates`` when they have
+        them (the PS then applies the request in one piece and records the seqs as applied)."""
+        if not tables:
+            return None
+        seqs = [int(u["seq"]) for u in updates if u.get("seq") is not None]
+        if not seqs:
+            return {"tables": tables}
+        sources = {u.get("source") for u in updates if u.get("seq") is not None}
+        if len(sources) != 1 or None in sources:
+            raise ValueError(f"field 'updates': the updates of one call come from one NN worker (one "
+                             f"'source' with every 'seq'), got sources {sorted(map(str, sources))}")
+        return {"tables": tables, "source": int(sources.pop()), "seqs": seqs}
 
     def _update_tables(self, req: dict) -> tuple[list[list[dict]], list[str]]:
         """One NN update (``WorkerUpdate``) as gradient tables per PS replica; takes the batch's
@@ -267,7 +296,7 @@ class EmbeddingWorker:
     def update(self, req: dict) -> dict:
         t0 = time.perf_counter()
         parts, skipped = self._update_tables(req)
-        requests = [{"tables": tables} if tables else None for tables in parts]
+        requests = [self._tagged(tables, [req]) for tables in parts]
         missing = sum(int(r["missing"]) for r in self._call_ps("Update", requests) if r is not None)
         self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
         return {"missing": missing, "skipped": skipped}
@@ -293,19 +322,22 @@ class EmbeddingWorker:
                 carried[s] += tables
         if req.get("updates"):
             self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t1)
+        updates = [self._tagged(t, req.get("updates") or []) for t in carried]
         if lost is not None:
-            self._call_ps("Update", [{"tables": t} if t else None for t in carried])
+            self._call_ps("Update", updates)
             raise lost
-        positions, lookups = self._lookup_requests(prepared, train, batch.get("batch_id"))
+        replay = _replay(req, train)
+        positions, lookups = self._lookup_requests(prepared, train, batch.get("batch_id"), replay)
         requests = [
-            {"update": {"tables": carried[s]} if carried[s] else None, "lookup": lookups[s]}
-            if carried[s] or lookups[s] is not None else None
+            {"update": updates[s], "lookup": lookups[s]}
+            if updates[s] is not None or lookups[s] is not None else None
             for s in range(len(self.ps))
         ]
         replies = self._call_ps("Step", requests)
         missing = sum(int(r["missing"]) for r in replies if r is not None)
         reply = self._reply(prepared, positions,
-                            [r if r is not None and lookups[s] is not None else None for s, r in enumerate(replies)])
+                            [r if r is not None and lookups[s] is not None else None for s, r in enumerate(replies)],
+                            replay is not None)
         self._looked_up(ref, batch, prepared, positions, train, t0)
         return {**reply, "missing": missing, "skipped": skipped}
 

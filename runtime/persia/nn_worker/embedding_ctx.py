@@ -190,6 +190,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             loader=int(msg["loader"]) if msg.get("loader") is not None else None,
             requires_grad=bool(msg.get("requires_grad", True)) and self.is_training,
             holds_permit=holds_permit,
+            replay=resp.get("replay"),
         )
 
     def _next_worker(self) -> Client:
@@ -213,6 +214,11 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             meta=batch.meta,
             batch_id=batch.batch_id,
         )
+
+    def _dispatched(self, msg: dict, staleness_target: int | None) -> dict:
+        """A streamed batch's message as its lookup is dispatched (TrainCtx notes which of its
+        updates every PS replica has applied by then)."""
+        return msg
 
     def _release_refs(self, msgs: list[dict]) -> None:
         by_worker: dict[int, list[int]] = {}

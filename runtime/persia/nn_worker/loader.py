@@ -154,9 +154,10 @@ class _LoaderIterator:
                         if not got:
                             self._release_unlooked(item)
                             continue
+                    item = self.ctx._dispatched(item, self._permits.target if self._permits is not None else None)
                     fut = self._pool.submit(self._timed_lookup, item, holds_permit, transferred)
                     if transferred is not None:  # a lookup cancelled at shutdown still applies it
-                        fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._send_alone(u))
+                        fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
                 else:
                     fut = self._pool.submit(self._direct_lookup, item)
                 self._put(fut)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -36,9 +37,15 @@ class PendingUpdate:
     holds_permit: bool
     unused_slots: list = field(default_factory=list)  # slots whose tensor got no gradient
     queued_at: float = field(default_factory=time.monotonic)
+    source: int | None = None  # the NN worker's number for its updates (persia.nn_worker.own_updates)
+    seq: int | None = None
+    reserved: bool = False  # its permit went to a lookup (reserve_permit): not released when applied
 
     def message(self) -> dict:
-        return {"ref": self.ref, "grads": self.grads, "scale": self.scale, "unused_slots": self.unused_slots}
+        msg = {"ref": self.ref, "grads": self.grads, "scale": self.scale, "unused_slots": self.unused_slots}
+        if self.seq is not None:
+            msg.update(source=self.source, seq=self.seq)
+        return msg
 
 
 class UpdateOutbox:
@@ -46,10 +53,15 @@ class UpdateOutbox:
     for updates held longer than ``max_hold_s``, and for every update on :meth:`flush`."""
 
     def __init__(self, send_alone: Callable[[PendingUpdate], None], max_hold_s: float = 0.05,
-                 clock: Callable[[], float] = time.monotonic, start_flusher: bool = True):
+                 clock: Callable[[], float] = time.monotonic, start_flusher: bool = True,
+                 send_lock: threading.RLock | None = None):
+        """``send_lock``: held from taking updates out until ``send_alone`` returns, by whoever
+        sends them (the owner's lookups too), so that they reach the PS in the order they were
+        put (own-update replay needs that, ``persia.nn_worker.own_updates``)."""
         if max_hold_s < 0:
             raise ValueError(f"max_hold_s must be >= 0, got {max_hold_s}")
         self._send_alone = send_alone
+        self._send_lock = send_lock
         self.max_hold_s = max_hold_s
         self._clock = clock
         self._items: deque[PendingUpdate] = deque()
@@ -93,6 +105,28 @@ class UpdateOutbox:
                     return u
             return None
 
+    def reserve_permit(self) -> PendingUpdate | None:
+        """The oldest pending update holding a staleness permit not yet reserved, marked reserved
+        and left in place (None: there is none). For an outbox whose updates must reach the PS in
+        order: the update goes out with the others, in order, and its permit passes to the lookup
+        that reserved it, which sees to it that it is applied before its own read."""
+        with self._cond:
+            for u in self._items:
+                if u.holds_permit and not u.reserved:
+                    u.reserved = True
+                    return u
+            return None
+
+    def take(self, update: PendingUpdate) -> bool:
+        """Remove ``update`` if it is still pending (True), to send it now."""
+        with self._cond:
+            for i, u in enumerate(self._items):
+                if u is update:
+                    del self._items[i]
+                    self.carried += 1
+                    return True
+            return False
+
     @property
     def condition(self) -> threading.Condition:
         """Notified on every put; the staleness permits share it (``TrainCtx._permit_condition``)."""
@@ -108,9 +142,10 @@ class UpdateOutbox:
 
     def flush(self) -> None:
         """Send every pending update alone now (before a checkpoint, at the end of training)."""
-        with self._cond:
-            items, self._items = list(self._items), deque()
-        self._send(items)
+        with self._send_lock or nullcontext():
+            with self._cond:
+                items, self._items = list(self._items), deque()
+            self._send(items)
 
     def close(self) -> None:
         self.flush()
@@ -135,4 +170,5 @@ class UpdateOutbox:
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
-            self._send(self.due(self._clock()))
+            with self._send_lock or nullcontext():
+                self._send(self.due(self._clock()))

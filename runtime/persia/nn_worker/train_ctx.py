@@ -27,6 +27,7 @@ from persia.nn_worker.checkpoint import check_optimizer_state
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
+from persia.nn_worker.own_updates import OwnUpdates, replay_setting
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -65,6 +66,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         checkpoint_interval_seconds: float | None = None,
         checkpoint_keep: int | None = None,
         resume: str | None = None,
+        replay_own_updates: bool | None = None,
         **kwargs,
     ):
         super().__init__(PreprocessMode.TRAIN, *args, **kwargs)
@@ -92,7 +94,13 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._update_error: BaseException | None = None
-        self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s())
+        # hybrid training reads its own writes: missed updates re-applied to looked-up rows
+        self._own = (OwnUpdates(embedding_optimizer.config, self.embedding_config.weight_bound)
+                     if replay_setting(replay_own_updates) and hasattr(embedding_optimizer, "config") else None)
+        # replay is exact when the PS applies our updates in seq order: the calls carrying them go
+        # one at a time, each holding this from taking its updates out until the PS answered
+        self._send_order = threading.RLock() if self._own is not None else None
+        self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order)
         self._current_batch: PersiaTrainingBatch | None = None
         self._control_group = None
         self.trained_batches = 0
@@ -152,6 +160,24 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         t = torch.tensor([have], dtype=torch.int32)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self._control_group)
         return bool(t.item())
+
+    def _dispatched(self, msg: dict, staleness_target: int | None) -> dict:
+        """Note below which seq every update of ours is applied as this lookup is dispatched
+        (synchronous training, staleness 1, never misses one: nothing to note)."""
+        if self._own is None or staleness_target == 1:
+            return msg
+        return {**msg, "replay_since": self._own.since()}
+
+    def _prebuild(self, batch: PersiaTrainingBatch) -> None:
+        if batch.replay is None:  # rows still to be corrected are built when trained on
+            super()._prebuild(batch)
+
+    def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
+        batch = persia_training_batch
+        if batch.replay is not None and batch.requires_grad and self._own is not None:
+            if self._own.correct(batch.emb_tables, batch.replay):
+                batch.prepared = None
+        return super().prepare_features(batch)
 
     def forward(self, batch: PersiaTrainingBatch):
         output, labels = super().forward(batch)
@@ -279,8 +305,12 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         """Leave the batch's gradients for the next lookup to its embedding worker to carry
         (:mod:`persia.nn_worker.outbox`); bounded by ``backward_buffer_size`` updates."""
         self._backward_slots.acquire()
-        self._outbox.put(PendingUpdate(batch.worker, batch.ref, grads, scale, batch.holds_permit,
-                                       unused_slots=batch.unused_slots()))
+        unused = batch.unused_slots()
+        update = PendingUpdate(batch.worker, batch.ref, grads, scale, batch.holds_permit, unused_slots=unused)
+        if self._own is not None:
+            update.source = self._own.source
+            update.seq = self._own.sent(batch.emb_tables, batch.embeddings, grads, scale, unused)
+        self._outbox.put(update)
 
     def _track(self) -> Future:
         """A future ``_wait_for_updates`` waits for, and whose failure the next step raises."""
@@ -291,8 +321,10 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         return fut
 
     def _applied(self, update: PendingUpdate, passes_permit: bool = False) -> None:
-        if update.holds_permit and not passes_permit and self._permits is not None:
+        if update.holds_permit and not passes_permit and not update.reserved and self._permits is not None:
             self._permits.release()
+        if self._own is not None:
+            self._own.acked(update.seq)
         self._backward_slots.release()
 
     def _call_applying(self, worker: int, method: str, request: dict, updates: list[PendingUpdate],
@@ -321,8 +353,16 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                             passes=update if passes_permit else None, fut=fut)
 
     def _send_alone(self, update: PendingUpdate) -> None:
-        """The outbox's flusher: an update no lookup carried in time goes on its own."""
+        """The outbox's flusher: an update no lookup carried in time goes on its own (with
+        replay: now, in this thread, in order)."""
         fut = self._track()  # now, so that _wait_for_updates cannot miss it before the pool runs it
+        if self._send_order is not None:
+            with self._send_order:
+                try:
+                    self._update_now(update, fut=fut)
+                except BaseException:  # noqa: BLE001 - recorded by its future, raised at the next step
+                    pass
+            return
 
         def send():
             try:
@@ -334,8 +374,24 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
     def _claim_permit(self) -> PendingUpdate | None:
         """For a dispatcher out of staleness permits: a pending update whose permit it may take
-        over (the update is applied before its lookup, in the same call)."""
+        over (the update is applied before its lookup, in the same call). With replay it stays
+        in the outbox, reserved, so that no later update overtakes it."""
+        if self._send_order is not None:
+            return self._outbox.reserve_permit()
         return self._outbox.claim_permit()
+
+    def _transfer_cancelled(self, update: PendingUpdate) -> None:
+        """The lookup that took over ``update``'s permit was cancelled (shutdown): the update
+        still goes, and the permit is given back."""
+        if self._send_order is None:
+            self._send_alone(update)
+            return
+        with self._send_order:
+            if self._outbox.take(update):
+                update.reserved = False  # its permit is released when it is applied
+                self._send_alone(update)
+            elif update.holds_permit and self._permits is not None:
+                self._permits.release()  # already applied, its permit kept for the lookup
 
     def _permit_condition(self) -> threading.Condition:
         """The condition a dispatcher out of permits waits on: a permit released and an update
@@ -344,17 +400,41 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
     def _lookup_call(self, worker: int, msg: dict, transferred: PendingUpdate | None = None) -> dict:
         """``Step``: this worker's pending updates (and ``transferred``), then the lookup."""
-        carried = self._outbox.claim_for(worker)
-        if transferred is not None:
-            if transferred.worker == worker:
-                carried.append(transferred)
-            else:  # another worker's batch: applied first on its own, its permit passes on
-                self._update_now(transferred, passes_permit=True)
-        if not carried:
-            return super()._lookup_call(worker, msg)
-        carried.sort(key=lambda u: u.queued_at)
-        request = {"ref": int(msg["ref"]), "train": True, "updates": [u.message() for u in carried]}
-        return self._call_applying(worker, "Step", request, carried, passes=transferred)
+        request = {"ref": int(msg["ref"]), "train": True}
+        since = msg.get("replay_since")
+        if since is not None:
+            request["replay"] = self._own.query(int(since))
+        # while another call carries updates, a lookup with no permit to take over carries none
+        ordered = self._send_order is not None and self._send_order.acquire(blocking=transferred is not None)
+        try:
+            carried = [] if self._send_order is not None and not ordered else self._outbox.claim_for(worker)
+            if transferred is not None and self._send_order is not None:
+                # reserved, left in the outbox: applied by an earlier call (in order) if no longer
+                # pending; else carried, or applied now when it belongs to another worker
+                if not any(u is transferred for u in carried) and self._outbox.take(transferred):
+                    if transferred.worker == worker:
+                        carried.append(transferred)
+                    else:
+                        self._update_now(transferred)
+            elif transferred is not None:
+                if transferred.worker == worker:
+                    carried.append(transferred)
+                else:  # another worker's batch: applied first on its own, its permit passes on
+                    self._update_now(transferred, passes_permit=True)
+            if not carried:
+                resp = self._call_worker(worker, "Lookup", request)
+            else:
+                carried.sort(key=lambda u: u.queued_at)
+                request["updates"] = [u.message() for u in carried]
+                resp = self._call_applying(worker, "Step", request, carried, passes=transferred)
+        finally:
+            if ordered:
+                self._send_order.release()
+        if since is not None:
+            resp["replay"]["since"] = int(since)
+            for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
+                table["signs"] = extra["signs"]  # what the PS applies of this batch's update names rows by sign
+        return resp
 
     def _update_done(self, fut: Future) -> None:
         with self._pending_lock:

@@ -34,6 +34,9 @@ class PersiaTrainingBatch:
     slot_used: list[bool] = field(default_factory=list)
     # tensors the lookup thread built ahead (``EmbeddingCtx._prebuild``); one forward consumes them
     prepared: Any = field(default=None, repr=False)
+    # what re-applying the NN worker's own missed updates needs (persia.nn_worker.own_updates):
+    # the reply's ``replay`` part plus the lookup's ``since``; None when the lookup did not ask
+    replay: dict | None = field(default=None, repr=False)
 
     def unused_slots(self) -> list[int]:
         """Positions of the slots whose tensor got no gradient (after backward)."""
