@@ -62,3 +62,22 @@ def test_hybrid_training_with_replay_ends_where_synchronous_training_ends(persia
     assert _same(hybrid, sync)
     stale = _train(staleness=4, replay=False, num_ps=num_ps)
     assert not _same(stale, sync)  # without replay the stale reads change the result
+
+
+def test_replay_drops_the_ramp_and_starts_over_when_the_ps_rows_are_replaced(persia_env, monkeypatch):
+    monkeypatch.delenv("PERSIA_STALENESS_WARMUP_STEPS", raising=False)
+    model = Model()
+    with cluster(num_ps=1, num_workers=1):
+        for replay, ramp in ((True, 0), (False, 200)):
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.5),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          replay_own_updates=replay) as ctx:
+                it = iter(DataLoader(StreamingDataset(4), embedding_staleness=4))
+                try:  # stale reads cost nothing with replay: no synchronous warm-up by default
+                    assert it._permits.warmup_steps == ramp
+                finally:
+                    it._finish()
+                if replay:
+                    before = ctx._own.source
+                    ctx.clear_embeddings()  # the PS forgot which of our updates it applied
+                    assert ctx._own.source != before and ctx._own.since() == 1

@@ -175,8 +175,8 @@ def test_applied_tables_reject_bad_input_naming_the_field():
     with pytest.raises(ValueError, match="unused_slots"):
         applied_tables(tables, reply["slots"], [np.zeros((2, 4), np.float32)], 1.0, [1])
     tables[0]["signs"] = tables[0]["signs"][::-1]
-    with pytest.raises(ValueError, match="sorted"):
-        applied_tables(tables, reply["slots"], [np.zeros((2, 4), np.float32)], 1.0, [])
+    with pytest.raises(ValueError, match="sorted"):  # found when the update is kept
+        SentUpdate(1, applied_tables(tables, reply["slots"], [np.zeros((2, 4), np.float32)], 1.0, []))
 
 
 # -- correct_table against a real PS -------------------------------------------------------------
@@ -363,10 +363,14 @@ def test_correct_table_rejects_bad_input_naming_the_field():
     ok = dict(dim=4, rows=rows, state=state, signs=signs, replica=np.zeros(2, np.uint8), absent=np.zeros(0, np.int32),
               applied=[np.zeros(0, np.int64)], missed=[], cfg=cfg, weight_bound=0.0)
     u = [SentUpdate(seq=s, tables={}) for s in (3, 2)]
-    for field, bad in [("signs", signs[::-1].copy()), ("rows", rows[:, :3]), ("state", state[:, :1]),
-                       ("replica", np.array([0, 1], np.uint8)), ("absent", np.array([2], np.int32)), ("missed", u)]:
+    seq1 = SentUpdate(seq=1, tables={4: (signs, np.ones((2, 4), np.float32))})
+    for field, bad, extra in [("signs", signs.astype(np.int64), {}), ("rows", rows[:, :3], {}),
+                              ("state", state[:, :1], {}), ("absent", np.array([2], np.int32), {}),
+                              ("missed", u, {}),
+                              # replica 1 of one: found out when replica 0 has applied the update
+                              ("replica", np.array([0, 1], np.uint8), {"applied": [np.array([1])], "missed": [seq1]})]:
         with pytest.raises(ValueError, match=f"'{field}'"):
-            correct_table(**{**ok, field: bad})
+            correct_table(**{**ok, field: bad, **extra})
     with pytest.raises(ValueError, match="'seq'"):
         SentUpdate(seq=-1, tables={})
     with pytest.raises(ValueError, match="grads"):

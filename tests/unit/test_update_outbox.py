@@ -114,3 +114,33 @@ def test_a_dispatcher_out_of_permits_wakes_for_a_release_and_stops_when_told():
 def test_negative_hold_is_refused():
     with pytest.raises(ValueError, match="max_hold_s must be >= 0, got -1"):
         UpdateOutbox(lambda u: None, max_hold_s=-1, start_flusher=False)
+
+
+def test_a_reserved_permit_leaves_its_update_in_place_for_whoever_sends_next():
+    """With own-update replay updates go out in order, so a permit taken over is only reserved."""
+    box = UpdateOutbox(lambda u: None, start_flusher=False)
+    box.put(upd(0, 1, permit=False))
+    box.put(upd(1, 2))
+    box.put(upd(0, 3))
+    first = box.reserve_permit()
+    assert first.ref == 2 and first.reserved and len(box) == 3  # still queued, in its place
+    assert box.reserve_permit().ref == 3  # the next one not reserved yet
+    assert box.reserve_permit() is None
+    assert [u.ref for u in box.claim_for(1)] == [2]  # goes out with its worker's lookup, in order
+    assert box.take(first) is False  # no longer pending: already sent
+    third = next(u for u in list(box._items) if u.ref == 3)
+    assert box.take(third) is True and len(box) == 1
+
+
+def test_the_flusher_sends_under_the_send_lock():
+    lock = threading.RLock()
+    held = []
+    box = UpdateOutbox(lambda u: held.append(lock._is_owned()), max_hold_s=0.0, send_lock=lock)
+    try:
+        box.put(upd(0, 1))
+        deadline = time.monotonic() + 5
+        while not held and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        box.close()
+    assert held and all(held)

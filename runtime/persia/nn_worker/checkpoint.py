@@ -100,6 +100,7 @@ class EmbeddingCheckpoints:
             if bad:  # only a replica that died between stage and commit: the job must restart
                 raise CheckpointLoadError(f"{directory}: PS replica {bad[0][0]} could not commit the staged "
                                           f"checkpoint ({bad[0][1]}); restart the job") from bad[0][1]
+            self._embeddings_replaced()
 
         self._run_maybe_async(run, blocking, "load")
 

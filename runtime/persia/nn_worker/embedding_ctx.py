@@ -299,6 +299,10 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
 
     def clear_embeddings(self) -> None:
         self._ps_all("clear", None, timeout=60)
+        self._embeddings_replaced()
+
+    def _embeddings_replaced(self) -> None:
+        """Every PS replica's rows were cleared or loaded (TrainCtx: its updates start over)."""
 
     # -- PERSIA's server controls -----------------------------------------------------------------
     def configure_embedding_parameter_servers(self, embedding_config: EmbeddingConfig | None = None) -> None:

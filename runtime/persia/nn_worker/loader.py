@@ -25,7 +25,7 @@ from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
 from persia.nn_worker.reorder import _reordered
-from persia.nn_worker.staleness import staleness_bound, warmup_steps_setting
+from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS, staleness_bound, warmup_steps_setting
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,11 @@ class DataLoader:
 
     ``embedding_staleness=k`` bounds the batches whose embeddings were read but whose gradients are
     not yet applied on the PS; ``k=1`` gives the synchronous reference (update before next lookup).
-    ``None`` leaves it bounded only by the buffers once warmed up. Either way the bound ramps up
-    from 1 over the first steps (``staleness_warmup_steps``, default 200 or
-    ``PERSIA_STALENESS_WARMUP_STEPS``; 0 turns the ramp off): see ``persia.nn_worker.staleness``.
+    ``None`` leaves it bounded only by the buffers once warmed up. The bound can ramp up from 1
+    over the first steps (``staleness_warmup_steps`` or ``PERSIA_STALENESS_WARMUP_STEPS``; 0 turns
+    the ramp off; see ``persia.nn_worker.staleness``). By default there is no ramp when the NN
+    worker replays its own updates (``persia.nn_worker.own_updates``, on by default: stale reads
+    then cost nothing), and 200 steps when it does not.
     """
 
     def __init__(
@@ -67,7 +69,8 @@ class DataLoader:
         self.num_workers = num_workers
         self.reproducible = reproducible
         self.embedding_staleness = embedding_staleness
-        self.staleness_warmup_steps = warmup_steps_setting(staleness_warmup_steps)
+        # None: the context decides (no ramp when it replays its own updates)
+        self.staleness_warmup_steps = warmup_steps_setting(staleness_warmup_steps, default=None)
 
     def __iter__(self) -> Iterator[PersiaTrainingBatch]:
         ctx = cnt_ctx()
@@ -96,8 +99,11 @@ class _LoaderIterator:
         if self.streaming:
             ctx._start_streaming()
         train = bool(getattr(ctx, "is_training", False))
+        warmup = loader.staleness_warmup_steps
+        if warmup is None:
+            warmup = ctx._default_warmup_steps() if hasattr(ctx, "_default_warmup_steps") else DEFAULT_WARMUP_STEPS
         self._permits = (  # the ramp counts the context's steps (a new epoch does not restart it)
-            staleness_bound(loader.embedding_staleness, loader.staleness_warmup_steps, self._steps(),
+            staleness_bound(loader.embedding_staleness, warmup, self._steps(),
                             cond=ctx._permit_condition() if hasattr(ctx, "_permit_condition") else None)
             if (train and self.streaming)
             else None

@@ -52,6 +52,10 @@ class OwnUpdates:
         self._next = 1
         self._unacked: set[int] = set()
 
+    def renewed(self) -> "OwnUpdates":
+        """The same optimizer, a new source, nothing sent yet."""
+        return OwnUpdates(self.cfg, self.weight_bound)
+
     def since(self) -> int:
         """Every update below this seq is applied on every PS replica: a lookup dispatched now
         reflects them all. Non-decreasing, so the batches (trained in dispatch order) see
@@ -84,7 +88,10 @@ class OwnUpdates:
 
     def correct(self, tables: list[dict], replay: dict) -> int:
         """Re-apply to a looked-up batch's rows (``tables[i]["rows"]``, replaced) the updates its
-        lookup missed; returns the row-steps replayed (0: the rows are as they came)."""
+        lookup missed; returns the row-steps replayed (0: the rows are as they came, also for a
+        lookup made under an earlier source: before the PS's rows were cleared or loaded)."""
+        if int(replay["source"]) != self.source:
+            return 0
         since = int(replay["since"])
         missed = self.history.since(since)
         self.history.forget_below(since)  # later batches were dispatched later: their since is >=

@@ -74,8 +74,7 @@ def applied_tables(tables: list[dict], slots: list[dict], grads: list, scale: fl
     for i, (t, g) in enumerate(zip(tables, grads)):
         if g is None:
             continue
-        d, signs = t["dim"], t["signs"]
-        _check_sorted_signs(signs, f"tables[{i}].signs")
+        d, signs = t["dim"], t["signs"]  # sorted: checked once, when the update becomes a SentUpdate
         if g.shape != (signs.size, d):
             raise ValueError(f"field 'grads[{i}]': expected shape {(signs.size, d)}, got {tuple(g.shape)}")
         g = np.asarray(g, dtype=np.float32)
@@ -116,12 +115,17 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
     it has, that are not ``absent`` and whose PS replica (``replica[i]`` indexes ``applied``, each
     a sorted array of the seqs that replica had applied at the read) had not applied its seq, get
     ``apply_step(cfg, w, s, g, weight_bound)``, in seq order. Returns new arrays (the inputs are
-    read-only wire views, never written) and the number of row-steps replayed. One searchsorted
-    and one optimizer step per update, no per-row Python.
+    read-only wire views, never written) and the number of row-steps replayed.
+
+    This runs on the training thread before every corrected batch, so it costs only what it
+    must: one searchsorted per update, the optimizer on the rows it hits (gathered once), and
+    O(1) checks of the inputs. ``signs`` must be sorted (the embedding worker's ``np.unique``
+    makes them so; the same signs are checked when their update becomes a :class:`SentUpdate`).
     """
     n = signs.shape[0]
-    _check_sorted_signs(signs, "signs")
     absent = np.asarray(absent, dtype=np.int64)
+    if signs.ndim != 1 or signs.dtype != np.uint64:
+        raise ValueError(f"field 'signs': expected a 1-D uint64 array, got {signs.dtype} of shape {signs.shape}")
     if rows.shape != (n, dim):
         raise ValueError(f"field 'rows': expected shape ({n}, {dim}), got {rows.shape}")
     width = state_width(cfg, dim)
@@ -129,18 +133,16 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
         raise ValueError(f"field 'state': expected shape ({n}, {width}) for {type(cfg).__name__}, got {state.shape}")
     if replica.shape != (n,):
         raise ValueError(f"field 'replica': expected shape ({n},), got {replica.shape}")
-    if n and int(replica.max()) >= len(applied):
-        raise ValueError(f"field 'replica': replica {int(replica.max())} but 'applied' has {len(applied)} entries")
-    if absent.size and not (0 <= int(absent.min()) and int(absent.max()) < n):
-        raise ValueError(f"field 'absent': positions must lie in 0..{n - 1}, got {int(absent.min())}..{int(absent.max())}")
     for a, b in zip(missed, missed[1:]):
         if b.seq <= a.seq:
             raise ValueError(f"field 'missed': seqs must ascend, got {a.seq} then {b.seq}")
-    new_rows = np.array(rows, dtype=np.float32, order="C")
-    new_state = np.array(state, dtype=np.float32, order="C")
-    live = np.ones(n, dtype=bool)
-    live[absent] = False
-    replayed = 0
+    live = None
+    if absent.size:
+        if not (0 <= int(absent.min()) and int(absent.max()) < n):
+            raise ValueError(f"field 'absent': positions must lie in 0..{n - 1}, got {int(absent.min())}..{int(absent.max())}")
+        live = np.ones(n, dtype=bool)
+        live[absent] = False
+    hits = []  # per update with rows to replay: (table positions, its gradient rows)
     for u in missed:
         t = u.tables.get(dim)
         if t is None or n == 0:
@@ -149,21 +151,37 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
         pos = np.searchsorted(signs, usigns)
         np.minimum(pos, n - 1, out=pos)
         hit = signs[pos] == usigns
+        if live is not None:
+            hit &= live[pos]
         # which replicas had already applied this update when they read (few replicas: a short loop)
         done = np.array([a.size > 0 and bool(a[min(int(np.searchsorted(a, u.seq)), a.size - 1)] == u.seq)
                          for a in applied], dtype=bool)
-        hit &= live[pos]
-        hit &= ~done[replica[pos]]
+        if done.any():
+            try:
+                hit &= ~done[replica[pos]]
+            except IndexError:
+                raise ValueError(f"field 'replica': a replica index is not below len(applied) = {len(applied)}") from None
         sel = np.flatnonzero(hit)
-        if not sel.size:
-            continue
-        p = pos[sel]
-        w, s = new_rows[p], new_state[p]
-        apply_step(cfg, w, s, np.take(ugrads, sel, axis=0), weight_bound)
-        new_rows[p] = w
-        new_state[p] = s
-        replayed += sel.size
-    return new_rows, new_state, replayed
+        if sel.size:
+            hits.append((pos[sel], np.take(ugrads, sel, axis=0)))
+    new_rows = np.array(rows, dtype=np.float32, order="C")
+    new_state = np.array(state, dtype=np.float32, order="C")
+    if not hits:
+        return new_rows, new_state, 0
+    # the rows any update hits, gathered once; each update steps its own subset, in seq order
+    touched = hits[0][0] if len(hits) == 1 else np.unique(np.concatenate([p for p, _ in hits]))
+    w, s = new_rows[touched], new_state[touched]
+    for p, g in hits:
+        if len(hits) == 1:
+            apply_step(cfg, w, s, g, weight_bound)
+            break
+        i = np.searchsorted(touched, p)
+        wi, si = w[i], s[i]
+        apply_step(cfg, wi, si, g, weight_bound)
+        w[i], s[i] = wi, si
+    new_rows[touched] = w
+    new_state[touched] = s
+    return new_rows, new_state, int(sum(p.size for p, _ in hits))
 
 
 class UpdateHistory:

@@ -41,16 +41,17 @@ def ramped_bound(step: int, target: int | None, warmup_steps: int) -> int | None
     return ramp if target is None else min(target, ramp)
 
 
-def warmup_steps_setting(value: int | None, environ: dict[str, str] | None = None) -> int:
+def warmup_steps_setting(value: int | None, environ: dict[str, str] | None = None,
+                         default: int | None = DEFAULT_WARMUP_STEPS) -> int | None:
     """The warm-up length: the DataLoader argument if given, else ``PERSIA_STALENESS_WARMUP_STEPS``,
-    else ``DEFAULT_WARMUP_STEPS``; an error names the bad value and where it came from."""
+    else ``default``; an error names the bad value and where it came from."""
     if value is not None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"staleness_warmup_steps must be an integer >= 0, got {value!r}")
         return value
     raw = (os.environ if environ is None else environ).get(ENV_WARMUP, "").strip()
     if raw == "":
-        return DEFAULT_WARMUP_STEPS
+        return default
     try:
         steps = int(raw)
     except ValueError:

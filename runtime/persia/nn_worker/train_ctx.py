@@ -28,6 +28,7 @@ from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker.own_updates import OwnUpdates, replay_setting
+from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -164,9 +165,22 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     def _dispatched(self, msg: dict, staleness_target: int | None) -> dict:
         """Note below which seq every update of ours is applied as this lookup is dispatched
         (synchronous training, staleness 1, never misses one: nothing to note)."""
-        if self._own is None or staleness_target == 1:
+        own = self._own
+        if own is None or staleness_target == 1:
             return msg
-        return {**msg, "replay_since": self._own.since()}
+        return {**msg, "replay": own.query(own.since())}
+
+    def _default_warmup_steps(self) -> int:
+        """A DataLoader's staleness ramp when neither it nor the environment sets one: none while
+        stale reads are corrected (they cost no AUC, and synchronous steps cost throughput)."""
+        return 0 if self._own is not None else DEFAULT_WARMUP_STEPS
+
+    def _embeddings_replaced(self) -> None:
+        """A PS that cleared or loaded its rows forgot which of our updates it applied (and the rows
+        no longer hold them): our updates are numbered afresh, under a new source; batches looked
+        up before are trained on as they were read."""
+        if self._own is not None:
+            self._own = self._own.renewed()
 
     def _prebuild(self, batch: PersiaTrainingBatch) -> None:
         if batch.replay is None:  # rows still to be corrected are built when trained on
@@ -401,9 +415,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     def _lookup_call(self, worker: int, msg: dict, transferred: PendingUpdate | None = None) -> dict:
         """``Step``: this worker's pending updates (and ``transferred``), then the lookup."""
         request = {"ref": int(msg["ref"]), "train": True}
-        since = msg.get("replay_since")
-        if since is not None:
-            request["replay"] = self._own.query(int(since))
+        replay = msg.get("replay")
+        if replay is not None:
+            request["replay"] = replay
         # while another call carries updates, a lookup with no permit to take over carries none
         ordered = self._send_order is not None and self._send_order.acquire(blocking=transferred is not None)
         try:
@@ -430,8 +444,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         finally:
             if ordered:
                 self._send_order.release()
-        if since is not None:
-            resp["replay"]["since"] = int(since)
+        if replay is not None:
+            resp["replay"].update(replay)  # the source and since the answer is about
             for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
                 table["signs"] = extra["signs"]  # what the PS applies of this batch's update names rows by sign
         return resp
