@@ -109,6 +109,7 @@ def synthetic_command(spec: RunSpec, launcher: str) -> tuple[list[str], dict[str
     argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads,
                          colocate_ps=spec.colocate_ps)
     env = example_settings(spec).to_env()
+    env["PERSIA_REPLAY_OWN_UPDATES"] = "1" if spec.replay else "0"
     if spec.staleness_warmup_steps is not None:
         env["PERSIA_STALENESS_WARMUP_STEPS"] = str(spec.staleness_warmup_steps)
     return argv, child_env(env)

@@ -54,8 +54,8 @@ def headline_labels(doc: dict[str, Any]) -> tuple[str, str]:
 
 
 def default_label(doc: dict[str, Any]) -> str:
-    """Label of the default setting (PERSIA's examples' bound, ramped up from 1 by the DataLoader):
-    the configuration whose AUC gap the targets bound."""
+    """Label of the default setting (PERSIA's examples' bound with the runtime's defaults: own-update
+    replay, no staleness ramp): the configuration whose AUC gap the targets bound."""
     return hybrid_label(DEFAULT_HYBRID_STALENESS, doc["profile"].get("persia_nn_threads"))
 
 
@@ -122,8 +122,8 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
     w("### Targets\n")
     w(f"Headline configuration of our system: `{hybrid_name}`; synchronous reference: `{sync_name}`; "
       f"default setting (the AUC-gap targets): `{head.get('default_configuration') or hybrid_name}`, "
-      f"PERSIA's examples' bound, which the DataLoader ramps up from 1 over the first steps "
-      f"(`persia/nn_worker/staleness.py`).\n")
+      f"PERSIA's examples' bound with the runtime's defaults: the NN worker re-applies its own updates "
+      f"a lookup missed, so no staleness ramp (`persia/nn_worker/own_updates.py`).\n")
     w("| figure | target | measured | status |\n|---|---|---|---|")
     for key, t in head["targets"].items():
         status = {True: "pass", False: "**FAIL**", None: "not yet measured"}[t["passed"]]
@@ -178,9 +178,11 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "`DistributedModelParallel` (world of one, fbgemm CPU TBE with fused exact Adagrad; fbgemm's "
         "accumulator starts at 0, so eps 0.1 stands in for the 1e-2 start). `persia-hybrid st=K` = our "
         "system, `persia-launcher local`, every role its own process, embedding staleness bound K "
-        "(`embedding_staleness`: at most K batches looked up whose gradients are not yet applied, ramped "
-        "up from 1 over the first steps, 1 for the first 200 by default; within it the DataLoader looks up "
-        "just far enough ahead to hide the lookup latency, at most 4 batches); `persia-sync` = "
+        "(`embedding_staleness`: at most K batches looked up whose gradients are not yet applied; within it "
+        "the DataLoader looks up just far enough ahead to hide the lookup latency, at most 4 batches), "
+        "the NN worker re-applying to each batch's rows its own updates the read missed (own-update replay, "
+        "the default); `no-replay` = the same with stale reads, as PERSIA trains, and the staleness ramped up "
+        "from 1 over the first steps (1 for the first 200), the runtime's default without replay; `persia-sync` = "
         "staleness 1 (the update is applied before the next lookup), the synchronous reference; "
         "`ps=N ew=N` = PS and embedding-worker replicas; `colocated` = `--colocate-ps`, each PS replica inside its embedding worker's process, called without gRPC; `nn-threads=T` = `persia-launcher local "
         f"--nn-threads T` (without it the launcher's budget applies: 1 NN thread on 2 cores, one core "

@@ -6,6 +6,7 @@ from bench.e2e_bench import LAUNCHER_BUDGET, PROFILES, LatencyPlan, ModelPlan, P
 from bench.e2e_bench import command_for
 from bench.summary import (HYBRID, SYNC, colocated_label, headline, hybrid_label, latency_rows, mean_curve, summarize,
                            sync_label)
+from bench.spec import RunSpec
 from synthetic_ctr.manifest import GeneratorConfig
 
 
@@ -40,7 +41,10 @@ def test_full_profile_measures_every_configuration_the_issue_asks_for():
     planned = plan(full, "d")
     labels = {(p.group, p.spec.label) for p in planned}
     hybrid, sync = hybrid_label(full.hybrid_staleness, full.persia_nn_threads), sync_label(full.persia_nn_threads)
-    st10 = hybrid_label(10, full.persia_nn_threads)
+    # the headline is PERSIA's bound with the runtime's replay; beside it the same bound with stale reads
+    st10 = RunSpec(system="persia-hybrid", data_dir="d", staleness=10, nn_threads=full.persia_nn_threads,
+                   replay=False).label
+    assert full.hybrid_staleness == 10 and "no-replay" in st10
     for needed in [("mlp400", "torch threads=2"), ("mlp400", "torch fused threads=2"), ("mlp400", "torchrec threads=2"),
                    ("mlp400", hybrid), ("mlp400", sync), ("mlp400", st10),  # the issue's staleness 10, beside the headline
                    ("mlp400_b1024", "torch fused threads=2"), ("mlp400_b1024", hybrid),
@@ -59,9 +63,14 @@ def test_full_profile_measures_every_configuration_the_issue_asks_for():
     assert {p.spec.batch_size for p in planned if p.group == "mlp400_b1024"} == {1024}
     assert {p.spec.batch_size for p in planned if p.group != "mlp400_b1024"} == {full.batch_size}
     assert {p.spec.train_rows for p in planned if p.group == "mlp400_30steps"} == {30 * full.batch_size}
-    assert {p.spec.staleness for p in planned if p.spec.system == "persia-hybrid"} == {full.hybrid_staleness, 10}
+    assert {p.spec.staleness for p in planned if p.spec.system == "persia-hybrid"} == {10}
+    stale = [p for p in planned if p.spec.label == st10]  # in the AUC groups and at every delay
+    assert {p.group for p in stale} == {"mlp400", "mlp400_30steps", "latency_0ms", "latency_0.5ms", "latency_2ms"}
+    assert command_for(stale[0].spec, "persia-launcher")[1]["PERSIA_REPLAY_OWN_UPDATES"] == "0"
+    assert command_for(planned[[p.spec.label for p in planned].index(hybrid)].spec,
+                       "persia-launcher")[1]["PERSIA_REPLAY_OWN_UPDATES"] == "1"
     assert all(p.spec.staleness is None and p.spec.nn_threads is None for p in planned if not p.spec.system.startswith("persia"))
-    # latency: 3 delays x (sync, headline hybrid, staleness 10) x 3 seeds behind the proxies, torch once per seed
+    # latency: 3 delays x (sync, headline hybrid, stale reads) x 3 seeds behind the proxies, torch once per seed
     delayed = [p for p in planned if p.delay_ms is not None]
     assert sorted({p.delay_ms for p in delayed}) == [0.0, 0.5, 2.0]
     assert {p.spec.label for p in delayed} == {sync, hybrid, st10} and len(delayed) == 27
