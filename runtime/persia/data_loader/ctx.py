@@ -207,7 +207,9 @@ class DataCtx(BaseCtx):
     @property
     def start_batch(self) -> int:
         """How many batches of this loader's stream were trained before a restart (0 on a fresh
-        job). ``send_data`` skips them by itself; a loader that can seek may skip them instead."""
+        job), for logs and progress. ``send_data`` skips them by itself, by counting the batches it
+        is given: give it the stream from its start. A loader that seeks past them instead would
+        have as many of the batches after them skipped too (their batch ids are the skipped ones)."""
         return self.resume_position.total if self.resume_position is not None else 0
 
     def _tell_ranks(self, message_for, what: str, best_effort: bool) -> None:
