@@ -361,3 +361,47 @@ def test_the_replay_part_of_a_reply_puts_each_replicas_answer_on_its_rows(shards
             owns = d in positions[s]
             expect = [10 + s, 20 + s] if owns else []
             assert entry["applied"][s].tolist() == expect
+
+
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_patched_tensors_equal_tensors_built_from_the_changed_rows(requires_grad):
+    """Own-update replay corrects rows after the lookup thread built the tensors: patching them at
+    the changed rows gives what building from the corrected rows gives, to the bit, and the same
+    gradients."""
+    rng = np.random.default_rng(5)
+    slots = {"u": spec("u", 4, 0), "v": spec("v", 4, 1), "bag": spec("bag", 4, 2, sqrt_scaling=True),
+             "raw": spec("raw", 3, 3, embedding_summation=False, sample_fixed_size=2),
+             "other": spec("other", 2, 4)}
+    bs = 16
+    feats = []
+    for name in ("u", "v", "other"):
+        feats.append({"name": name, "values": rng.integers(0, 6, bs).astype(np.uint64),
+                      "offsets": np.arange(bs + 1, dtype=np.int64)})
+    for name in ("bag", "raw"):
+        v, o = csr([rng.integers(0, 5, rng.integers(0, 4)).tolist() for _ in range(bs)])
+        feats.append({"name": name, "values": v, "offsets": o})
+    prepared = pipeline.prepare(feats, bs, slots, PREFIX_BIT)
+    reply = pipeline.lookup_reply(prepared, lookup_rows(prepared))
+    fixed = [dict(t) for t in reply["tables"]]
+    changed = []
+    for t in fixed:
+        n = t["rows"].shape[0]
+        pick = np.flatnonzero(rng.random(n) < 0.4)
+        t["rows"] = t["rows"].copy()
+        t["rows"][pick] += rng.standard_normal((pick.size, t["dim"])).astype(np.float32)
+        changed.append(pick)
+    patched = embedding_tensors.build(reply["tables"], reply["slots"], "cpu", requires_grad)
+    for i, (t, pick) in enumerate(zip(fixed, changed)):
+        embedding_tensors.patch(patched, i, t["rows"], pick)
+    fresh = embedding_tensors.build(fixed, reply["slots"], "cpu", requires_grad)
+    for a, b in zip(patched.emb, fresh.emb):
+        np.testing.assert_array_equal(a.detach().numpy(), b.detach().numpy())
+    for a, b in zip(patched.leaves, fresh.leaves):
+        np.testing.assert_array_equal(a.detach().numpy(), b.detach().numpy())
+    if requires_grad:
+        weights = [torch.from_numpy(rng.standard_normal(tuple(e.shape)).astype(np.float32)) for e in fresh.emb]
+        for built in (patched, fresh):
+            sum((e * w).sum() for e, w in zip(built.emb, weights)).backward()
+        for a, b in zip(patched.leaves, fresh.leaves):
+            np.testing.assert_array_equal(a.grad.numpy(), b.grad.numpy())
+        assert patched.used == fresh.used == [True] * len(slots)

@@ -9,7 +9,8 @@ worker neither pools nor reduces gradients, and half the bytes travel each way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,6 +22,19 @@ class SlotTensors:
     leaves: list[torch.Tensor]  # one per entry of the reply's tables (per dim), in that order
     emb: list[torch.Tensor]  # what the model receives, one per slot
     used: list[bool]  # per slot: backward reached its tensor (set during backward)
+    # per table: rewrites what the model receives where rows changed after the build (patch)
+    patchers: list[Callable[[np.ndarray, np.ndarray], None]] = field(default_factory=list, repr=False)
+
+
+def patch(tensors: SlotTensors, table: int, rows: np.ndarray, changed: np.ndarray) -> None:
+    """Rows ``changed`` (positions) of reply table ``table`` now read ``rows[changed]`` (own-update
+    replay corrected them after the lookup thread built the tensors): rewrite the leaf and every
+    slot tensor that read them, in place and exactly as :func:`build` would have made them from
+    ``rows``, before any forward has used them. Backward needs none of these values (a gather's,
+    an ``embedding_bag``'s and a padded gather's gradients depend only on the indices)."""
+    if changed.size:
+        with torch.no_grad():
+            tensors.patchers[table](rows, changed)
 
 
 @dataclass
@@ -55,6 +69,7 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
     channel is the mask (1 where an ID is, 0 for padding), as in PERSIA."""
     by_dim: dict[int, torch.Tensor] = {}
     gathered: dict[int, tuple[torch.Tensor, ...]] = {}  # dim -> its one-ID slots' tensors
+    gather_base: dict[int, torch.Tensor] = {}  # dim -> the one gather those are views of
     leaves = []
     for t in tables:
         d = int(t["dim"])
@@ -63,35 +78,77 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
         leaves.append(leaf)
         if "gather" in t:  # one gather (one index_add in backward) for all; unbind's backward stacks
             k, bs = t["gather"].shape
-            gathered[d] = leaf.index_select(0, _index(t["gather"], device).view(-1)).view(k, bs, d).unbind(0)
+            gather_base[d] = leaf.index_select(0, _index(t["gather"], device).view(-1))
+            gathered[d] = gather_base[d].view(k, bs, d).unbind(0)
     emb = []
-    padded: dict[int, torch.Tensor] = {}
-    for slot in slots:
+    remake: dict[int, list[tuple[int, Callable, Callable]]] = {}  # dim -> (slot, rows it reads, value)
+    for i, slot in enumerate(slots):
         d = int(slot["dim"])
         leaf = by_dim[d]
         if "gather" in slot:
             emb.append(gathered[d][slot["gather"]])
-        elif "raw_index" in slot:
-            if d not in padded:  # row 0: the padding row (zeros, no gradient)
-                padded[d] = torch.cat([leaf.new_zeros(1, d), leaf])
-            index = _index(slot["raw_index"], device)
-            rows = padded[d][index]
-            if slot["scale"] != 1.0:
-                rows = rows * slot["scale"]
-            emb.append(torch.cat([rows, (index != 0).to(rows.dtype).unsqueeze(-1)], dim=-1))
-        else:
-            offsets = slot["offsets"]
-            pooled = F.embedding_bag(_index(slot["index"], device), leaf, _index(offsets, device),
-                                     mode="sum", include_last_offset=True)
-            if slot["sqrt_scaling"]:
-                pooled = pooled * _tensor(sqrt_scale(offsets), device)[:, None]
-            emb.append(pooled)
+            continue
+        make = _raw_slot(slot, d, device) if "raw_index" in slot else _summed_slot(slot, device)
+        emb.append(make(leaf))
+        reads = (lambda s=slot: s["raw_index"][s["raw_index"] > 0] - 1) if "raw_index" in slot \
+            else (lambda s=slot: s["index"])
+        remake.setdefault(d, []).append((i, reads, make))
     used = [False] * len(slots)
-    if not requires_grad or not emb:
-        return SlotTensors(leaves=leaves, emb=emb, used=used)
-    # raw slots' tensors were never views, so a model may modify them in place: they get copies
-    copies = tuple("raw_index" in slot for slot in slots)
-    return SlotTensors(leaves=leaves, emb=list(_MarkUsed.apply(used, copies, *emb)), used=used)
+    if requires_grad and emb:
+        # raw slots' tensors were never views, so a model may modify them in place: they get copies
+        copies = tuple("raw_index" in slot for slot in slots)
+        emb = list(_MarkUsed.apply(used, copies, *emb))
+    out = SlotTensors(leaves=leaves, emb=emb, used=used)
+    for t, leaf in zip(tables, leaves):
+        d = int(t["dim"])
+        out.patchers.append(_patcher(out, leaf, t.get("gather"), gather_base.get(d), remake.get(d, []), device))
+    return out
+
+
+def _summed_slot(slot: dict, device) -> Callable[[torch.Tensor], torch.Tensor]:
+    index, offsets = _index(slot["index"], device), _index(slot["offsets"], device)
+    scale = _tensor(sqrt_scale(slot["offsets"]), device)[:, None] if slot["sqrt_scaling"] else None
+
+    def make(leaf: torch.Tensor) -> torch.Tensor:
+        pooled = F.embedding_bag(index, leaf, offsets, mode="sum", include_last_offset=True)
+        return pooled * scale if scale is not None else pooled
+
+    return make
+
+
+def _raw_slot(slot: dict, d: int, device) -> Callable[[torch.Tensor], torch.Tensor]:
+    index = _index(slot["raw_index"], device)
+    mask = (index != 0).to(torch.float32).unsqueeze(-1)
+
+    def make(leaf: torch.Tensor) -> torch.Tensor:
+        rows = torch.cat([leaf.new_zeros(1, d), leaf])[index]  # row 0: the padding row (zeros, no gradient)
+        if slot["scale"] != 1.0:
+            rows = rows * slot["scale"]
+        return torch.cat([rows, mask.to(rows.dtype)], dim=-1)
+
+    return make
+
+
+def _patcher(out: SlotTensors, leaf: torch.Tensor, gather: np.ndarray | None, base: torch.Tensor | None,
+             remake: list, device) -> Callable[[np.ndarray, np.ndarray], None]:
+    """What :func:`patch` runs for one table: the leaf's rows, the one-ID slots' gather at the
+    positions that read a changed row, and every other slot of the dim that reads one, made again."""
+    flat = None if gather is None else gather.reshape(-1)
+
+    def run(rows: np.ndarray, changed: np.ndarray) -> None:
+        hit = np.zeros(rows.shape[0], dtype=bool)
+        hit[changed] = True
+        fresh = torch.from_numpy(np.ascontiguousarray(rows[changed])).to(device)
+        leaf.data[torch.from_numpy(changed).to(device)] = fresh
+        if base is not None:
+            at = np.flatnonzero(hit[flat])
+            if at.size:
+                base.data[torch.from_numpy(at).to(device)] = torch.from_numpy(rows[flat[at]]).to(device)
+        for i, reads, make in remake:
+            if hit[reads()].any():
+                out.emb[i].data.copy_(make(leaf.detach()))
+
+    return run
 
 
 class _MarkUsed(torch.autograd.Function):

@@ -27,6 +27,7 @@ from persia.nn_worker.checkpoint import check_optimizer_state
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
+from persia.nn_worker import embedding_tensors
 from persia.nn_worker.own_updates import OwnUpdates, replay_setting
 from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS
 from persia.nn_worker.training_batch import PersiaTrainingBatch
@@ -182,15 +183,16 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if self._own is not None:
             self._own = self._own.renewed()
 
-    def _prebuild(self, batch: PersiaTrainingBatch) -> None:
-        if batch.replay is None:  # rows still to be corrected are built when trained on
-            super()._prebuild(batch)
-
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
         batch = persia_training_batch
         if batch.replay is not None and batch.requires_grad and self._own is not None:
-            if self._own.correct(batch.emb_tables, batch.replay):
-                batch.prepared = None
+            read = [t["rows"] for t in batch.emb_tables]
+            if self._own.correct(batch.emb_tables, batch.replay) and batch.prepared is not None:
+                # the tensors the lookup thread built read the rows before the correction
+                for i, (table, before) in enumerate(zip(batch.emb_tables, read)):
+                    if table["rows"] is not before:
+                        changed = np.flatnonzero((table["rows"] != before).any(axis=1))
+                        embedding_tensors.patch(batch.prepared.slots, i, table["rows"], changed)
         return super().prepare_features(batch)
 
     def forward(self, batch: PersiaTrainingBatch):
