@@ -35,7 +35,8 @@ def _train(staleness: int, replay: bool, num_ps: int = 2):
                 out, labels = ctx.forward(batch)
                 ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
             ctx.wait_for_pending_updates()
-            replayed = 0 if ctx._own is None else ctx._own.replayed_row_steps
+            # row-steps replayed: all, and of those the lookup thread's (before the batch's turn)
+            replayed = (0, 0) if ctx._own is None else (ctx._own.replayed_row_steps, ctx._own.replayed_ahead_row_steps)
         sender.join(30)
         assert not errors, errors
         emb = eval_embeddings(model, [make_batch(1000 + i, requires_grad=False) for i in range(3)])
@@ -56,9 +57,12 @@ def test_hybrid_training_with_replay_ends_where_synchronous_training_ends(persia
     # updates wait for a lookup to carry them: every lookup ahead of training misses some
     monkeypatch.setenv("PERSIA_UPDATE_HOLD_MS", "60000")
     sync = _train(staleness=1, replay=True, num_ps=num_ps)
-    assert sync[2] == 0  # synchronous lookups never miss an update: nothing to replay
+    assert sync[2] == (0, 0)  # synchronous lookups never miss an update: nothing to replay
     hybrid = _train(staleness=4, replay=True, num_ps=num_ps)
-    assert hybrid[2] > 0, "no lookup missed an update: the test would prove nothing"
+    total, ahead = hybrid[2]
+    # both parts ran: the lookup thread's (updates sent before the reply came in) and the
+    # training thread's (sent after); else the test would not prove that they add up
+    assert 0 < ahead < total, f"replayed {total} row-steps, {ahead} of them ahead: the test would prove less"
     assert _same(hybrid, sync)
     stale = _train(staleness=4, replay=False, num_ps=num_ps)
     assert not _same(stale, sync)  # without replay the stale reads change the result

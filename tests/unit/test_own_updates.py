@@ -49,11 +49,13 @@ def test_correct_replays_the_missed_updates_and_forgets_what_no_later_batch_need
     replay = {"source": 7, "since": 1, "tables": [{"signs": signs, "state": state, "replica": np.zeros(3, np.uint16),
                                                    "absent": np.zeros(0, np.int32),
                                                    "applied": [np.array([1], np.int64)]}]}
-    assert own.correct(tables, replay) == 3  # seq 1 was applied when read: only seq 2 replayed
+    fixed = own.correct(tables, replay)
+    assert fixed.replayed == 3  # seq 1 was applied when read: only seq 2 replayed
+    assert fixed.touched[0].tolist() == [0, 1, 2]
     w, s = rows.copy(), state.copy()
     apply_step(cfg, w, s, g * 2)
     np.testing.assert_array_equal(tables[0]["rows"], w)
-    assert own.correct([{"dim": 4, "rows": rows}], {**replay, "since": 2}) == 3  # still kept for since 2
+    assert own.correct([{"dim": 4, "rows": rows}], {**replay, "since": 2}).replayed == 3  # still kept for since 2
     with pytest.raises(ValueError, match="forgotten"):  # since 2 was trained: below it is gone
         own.correct([{"dim": 4, "rows": rows}], replay)
 
@@ -69,7 +71,8 @@ def test_a_lookup_made_under_an_earlier_source_is_not_corrected():
                                                    "replica": np.zeros(1, np.uint16), "absent": np.zeros(0, np.int32),
                                                    "applied": [np.zeros(0, np.int64)]}]}
     tables = [{"dim": 4, "rows": rows}]
-    assert fresh.correct(tables, replay) == 0 and tables[0]["rows"] is rows
+    assert fresh.correct(tables, replay) == (0, [None]) and tables[0]["rows"] is rows
+    assert fresh.correct_ahead(tables, replay) == 0 and tables[0]["rows"] is rows and "through" not in replay
 
 
 def test_the_replay_setting_comes_from_the_argument_then_the_environment_and_is_on_by_default():
@@ -100,3 +103,48 @@ def test_one_call_carries_the_updates_of_one_source():
     assert EmbeddingWorker._tagged([], [{"seq": 1, "source": 5}]) is None  # nothing for that replica
     with pytest.raises(ValueError, match="'updates'.*one 'source'"):
         EmbeddingWorker._tagged(t, [{"seq": 1, "source": 5}, {"seq": 2, "source": 6}])
+
+
+def _replay_reply(signs, state, applied):
+    return {"source": 7, "since": 1, "tables": [{"signs": signs, "state": state, "replica": np.zeros(signs.size, np.uint16),
+                                                 "absent": np.zeros(0, np.int32), "applied": [applied]}]}
+
+
+def test_the_lookup_threads_part_and_the_training_threads_part_equal_one_correction_bit_for_bit():
+    """correct_ahead replays what was sent when the reply came in; correct, later, only what was
+    sent since. Together they step every row as one correction at training time does."""
+    cfg = AdagradConfig(lr=0.3)
+    rng = np.random.default_rng(5)
+    universe = np.arange(1, 40, dtype=np.uint64)
+    signs = np.sort(rng.choice(universe, 25, replace=False))
+    rows = rng.standard_normal((25, 4)).astype(np.float32)
+    state = np.full((25, 4), 0.01, np.float32)
+
+    def send(own, k):  # k updates of random subsets of the universe, the same for both contexts
+        r = np.random.default_rng(100 + k)
+        for _ in range(k):
+            us = np.sort(r.choice(universe, 15, replace=False))
+            own.sent(_reply_tables(us, np.zeros((15, 4), np.float32)), _slots(15),
+                     [r.standard_normal((15, 4)).astype(np.float32)], 1.0, [])
+
+    whole, split = OwnUpdates(cfg, 0.0, source=7), OwnUpdates(cfg, 0.0, source=7)
+    for own in (whole, split):
+        send(own, 3)  # seqs 1-3 sent before the reply; the PS had applied seq 2 when it read
+    applied = np.array([2], np.int64)
+    t_split = [{"dim": 4, "rows": rows}]
+    r_split = _replay_reply(signs, state, applied)
+    ahead = split.correct_ahead(t_split, r_split)
+    assert ahead > 0 and r_split["through"] == 3 and r_split["ahead"] == ahead
+    for own in (whole, split):
+        send(own, 2)  # seqs 4-5: sent after the reply came in, before the batch is trained
+    t_whole = [{"dim": 4, "rows": rows}]
+    fixed_whole = whole.correct(t_whole, _replay_reply(signs, state, applied))
+    fixed_split = split.correct(t_split, r_split)
+    assert fixed_split.replayed > 0 and ahead + fixed_split.replayed == fixed_whole.replayed
+    np.testing.assert_array_equal(t_split[0]["rows"], t_whole[0]["rows"])
+    # the late part touched only rows of seqs 4-5, and every row it changed
+    late_rows = set()
+    for u in split.history.since(4):
+        late_rows |= set(np.flatnonzero(np.isin(signs, u.tables[4][0])).tolist())
+    assert set(fixed_split.touched[0].tolist()) == late_rows
+    assert split.corrected_batches == 1 and split.replayed_row_steps == fixed_whole.replayed

@@ -290,13 +290,16 @@ def test_corrected_stale_read_equals_a_fresh_read(name, use_kernel, seed, num_re
                 ps.apply(u, r)
     fresh_rows, fresh_state, _, fresh_absent = ps.read(q, cfg)
 
-    new_rows, new_state, replayed = correct_table(DIM, rows, state, q, replica, absent, applied, rest, cfg, BOUND)
+    new_rows, new_state, replayed, touched = correct_table(DIM, rows, state, q, replica, absent, applied, rest, cfg, BOUND)
 
     np.testing.assert_array_equal(absent, fresh_absent)
     np.testing.assert_allclose(new_rows, fresh_rows, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(new_state, fresh_state, rtol=1e-6, atol=1e-7)
     changed = (new_rows != rows).any(axis=1)
     assert (np.abs(new_rows[changed]) <= np.float32(BOUND)).all()  # replayed rows are clipped
+    # the rows touched are ascending and hold every row that changed (and no absent one)
+    assert (np.diff(touched) > 0).all() and set(np.flatnonzero(changed)) <= set(touched.tolist())
+    assert not set(touched.tolist()) & set(np.asarray(absent).tolist())
     expect = 0  # row-steps, counted row by row
     present = np.setdiff1d(np.arange(q.size), absent)
     for u in rest:
@@ -313,10 +316,10 @@ def test_rows_a_replica_already_applied_are_not_stepped_again_and_absent_rows_st
     state = np.zeros((3, 0), np.float32)
     replica = np.array([0, 1, 1], np.uint8)
     upd = SentUpdate(seq=5, tables={2: (np.array([10, 20, 30, 40], np.uint64), np.full((4, 2), 0.25, np.float32))})
-    new_rows, _, n = correct_table(2, rows, state, signs, replica, np.array([2], np.int32),
-                                   [np.array([5], np.int64), np.array([4], np.int64)], [upd], cfg, 0.0)
+    new_rows, _, n, touched = correct_table(2, rows, state, signs, replica, np.array([2], np.int32),
+                                            [np.array([5], np.int64), np.array([4], np.int64)], [upd], cfg, 0.0)
     np.testing.assert_array_equal(new_rows, [[1, 1], [0.75, 0.75], [1, 1]])  # replica 0 had it; row 30 absent
-    assert n == 1
+    assert n == 1 and touched.tolist() == [1]
 
 
 def test_inputs_are_not_written_and_empty_missed_returns_equal_new_arrays():
@@ -330,8 +333,8 @@ def test_inputs_are_not_written_and_empty_missed_returns_equal_new_arrays():
     for a in (signs, rows, state, replica):
         a.flags.writeable = False
     upd = SentUpdate(seq=1, tables={4: (np.array([5], np.uint64), np.ones((1, 4), np.float32))})
-    new_rows, new_state, n = correct_table(4, rows, state, signs, replica, np.zeros(0, np.int32),
-                                           [np.zeros(0, np.int64)], [upd], cfg, 0.0)
+    new_rows, new_state, n, _ = correct_table(4, rows, state, signs, replica, np.zeros(0, np.int32),
+                                              [np.zeros(0, np.int64)], [upd], cfg, 0.0)
     assert n == 1 and new_rows.flags.writeable and new_state.flags.writeable
     np.testing.assert_array_equal(rows, keep[0])
     np.testing.assert_array_equal(state, keep[1])
@@ -341,9 +344,9 @@ def test_inputs_are_not_written_and_empty_missed_returns_equal_new_arrays():
     np.testing.assert_array_equal(new_rows[1:2], w)
     np.testing.assert_array_equal(new_state[1:2], s)
 
-    same_rows, same_state, n = correct_table(4, rows, state, signs, replica, np.zeros(0, np.int32),
-                                             [np.zeros(0, np.int64)], [], cfg, 0.0)
-    assert n == 0 and same_rows is not rows and same_state is not state and same_rows.flags.writeable
+    same_rows, same_state, n, none = correct_table(4, rows, state, signs, replica, np.zeros(0, np.int32),
+                                                   [np.zeros(0, np.int64)], [], cfg, 0.0)
+    assert n == 0 and none.size == 0 and same_rows is not rows and same_state is not state and same_rows.flags.writeable
     np.testing.assert_array_equal(same_rows, rows)
     np.testing.assert_array_equal(same_state, state)
     # an update of another dim only, and an empty table

@@ -138,11 +138,17 @@ def _patcher(out: SlotTensors, leaf: torch.Tensor, gather: np.ndarray | None, ba
     def run(rows: np.ndarray, changed: np.ndarray) -> None:
         hit = np.zeros(rows.shape[0], dtype=bool)
         hit[changed] = True
-        fresh = torch.from_numpy(np.ascontiguousarray(rows[changed])).to(device)
-        leaf.data[torch.from_numpy(changed).to(device)] = fresh
-        if base is not None:
-            at = np.flatnonzero(hit[flat])
-            if at.size:
+        at = None if base is None else np.flatnonzero(hit[flat])
+        if leaf.device.type == "cpu":
+            # through numpy views of the (contiguous) tensors, without torch's dispatch of an
+            # index_put: this runs on the training thread
+            leaf.detach().numpy()[changed] = rows[changed]
+            if at is not None and at.size:
+                base.detach().numpy()[at] = rows[flat[at]]
+        else:
+            fresh = torch.from_numpy(np.ascontiguousarray(rows[changed])).to(device)
+            leaf.data[torch.from_numpy(changed).to(device)] = fresh
+            if at is not None and at.size:
                 base.data[torch.from_numpy(at).to(device)] = torch.from_numpy(rows[flat[at]]).to(device)
         for i, reads, make in remake:
             if hit[reads()].any():

@@ -6,9 +6,12 @@ cost comes from (Adagrad's first updates of a row are its largest, docs/benchmar
 worker made those updates itself, so it can apply them to the rows it got: each update gets a
 *seq*; a lookup says below which seq every update is known applied (``since``), and the PS answers
 with the rows' optimizer state and which of the seqs at or above ``since`` it had applied when it
-read them (per replica). Just before the batch is trained, :meth:`OwnUpdates.correct` replays the
-rest with the PS's own formula (:mod:`persia.nn_worker.replay`). With one NN rank hybrid training
-then reads what synchronous training reads; other ranks' updates stay as stale as in PERSIA.
+read them (per replica). The rest is replayed with the PS's own formula
+(:mod:`persia.nn_worker.replay`) in two parts: the updates already sent when the reply comes in,
+by the lookup thread (:meth:`OwnUpdates.correct_ahead`, off the training thread's critical
+path), and just before the batch is trained, those sent since (:meth:`OwnUpdates.correct`). With
+one NN rank hybrid training then reads what synchronous training reads; other ranks' updates
+stay as stale as in PERSIA.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+from typing import NamedTuple
+
+import numpy as np
 
 from persia.embedding_ps.optimizers import OptimizerConfig
 from persia.nn_worker.replay import SentUpdate, UpdateHistory, applied_tables, correct_table
@@ -47,6 +53,7 @@ class OwnUpdates:
         self.weight_bound = float(weight_bound)
         self.history = UpdateHistory()
         self.replayed_row_steps = 0  # rows re-applied, summed over updates (metrics, tests)
+        self.replayed_ahead_row_steps = 0  # of which by the lookup thread
         self.corrected_batches = 0
         self._lock = threading.Lock()
         self._next = 1
@@ -86,26 +93,66 @@ class OwnUpdates:
         with self._lock:
             self._unacked.discard(seq)
 
-    def correct(self, tables: list[dict], replay: dict) -> int:
-        """Re-apply to a looked-up batch's rows (``tables[i]["rows"]``, replaced) the updates its
-        lookup missed; returns the row-steps replayed (0: the rows are as they came, also for a
-        lookup made under an earlier source: before the PS's rows were cleared or loaded)."""
+    def correct_ahead(self, tables: list[dict], replay: dict) -> int:
+        """The lookup thread's part of the correction, as soon as the reply is in: replay the
+        updates already sent that the read missed (``tables[i]["rows"]`` and the reply's
+        ``state`` replaced, ``replay["through"]`` set to the last seq replayed), so the training
+        thread replays only the updates sent after that. Returns the row-steps replayed."""
         if int(replay["source"]) != self.source:
             return 0
-        since = int(replay["since"])
-        missed = self.history.since(since)
-        self.history.forget_below(since)  # later batches were dispatched later: their since is >=
+        missed = self.history.since(int(replay["since"]))
         if not missed:
             return 0
         done = 0
         for table, extra in zip(tables, replay["tables"]):
-            rows, _state, n = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"],
-                                            extra["replica"], extra["absent"], extra["applied"], missed,
-                                            self.cfg, self.weight_bound)
-            if n:
-                table["rows"] = rows
-                done += n
-        if done:
-            self.replayed_row_steps += done
-            self.corrected_batches += 1
+            fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"], extra["replica"],
+                                  extra["absent"], extra["applied"], missed, self.cfg, self.weight_bound)
+            if fixed.replayed:
+                table["rows"], extra["state"] = fixed.rows, fixed.state
+                done += fixed.replayed
+        replay["through"] = missed[-1].seq  # the history only grows in seq order (one training thread)
+        replay["ahead"] = done
+        self._count(done, batch=False, ahead=True)
         return done
+
+    def correct(self, tables: list[dict], replay: dict) -> "Correction":
+        """Re-apply to a looked-up batch's rows (``tables[i]["rows"]``, replaced) the updates its
+        lookup missed and :meth:`correct_ahead` did not; just before the batch is trained. Rows
+        as they came (nothing replayed) for a lookup made under an earlier source: before the
+        PS's rows were cleared or loaded."""
+        if int(replay["source"]) != self.source:
+            return Correction(0, [None] * len(tables))
+        since = int(replay["since"])
+        missed = self.history.since(since)
+        self.history.forget_below(since)  # later batches were dispatched later: their since is >=
+        through = replay.get("through")
+        if through is not None:
+            missed = [u for u in missed if u.seq > through]
+        done, touched = 0, []
+        for table, extra in zip(tables, replay["tables"]):
+            if not missed:
+                touched.append(None)
+                continue
+            fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"], extra["replica"],
+                                  extra["absent"], extra["applied"], missed, self.cfg, self.weight_bound)
+            if fixed.replayed:
+                table["rows"] = fixed.rows
+                done += fixed.replayed
+            touched.append(fixed.touched if fixed.replayed else None)
+        self._count(done, batch=bool(done or replay.get("ahead")))
+        return Correction(done, touched)
+
+    def _count(self, row_steps: int, batch: bool, ahead: bool = False) -> None:
+        with self._lock:
+            self.replayed_row_steps += row_steps
+            self.replayed_ahead_row_steps += row_steps if ahead else 0
+            self.corrected_batches += int(batch)
+
+
+class Correction(NamedTuple):
+    """What :meth:`OwnUpdates.correct` replayed on the training thread: the row-steps, and per
+    table the positions whose rows it changed (None: none), which the tensors built ahead need
+    rewritten."""
+
+    replayed: int
+    touched: list[np.ndarray | None]

@@ -14,12 +14,13 @@ from __future__ import annotations
 import bisect
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from persia.embedding_ps.optimizers import apply_step, state_width
 
-__all__ = ["SentUpdate", "applied_tables", "correct_table", "UpdateHistory"]
+__all__ = ["SentUpdate", "applied_tables", "Corrected", "correct_table", "UpdateHistory"]
 
 
 def _check_sorted_signs(signs: np.ndarray, field: str) -> None:
@@ -106,20 +107,34 @@ def applied_tables(tables: list[dict], slots: list[dict], grads: list, scale: fl
     return out
 
 
+class Corrected(NamedTuple):
+    """A table after :func:`correct_table`: new ``rows`` and ``state`` arrays, the row-steps
+    ``replayed``, and the positions ``touched`` (ascending: the rows any update stepped, the only
+    ones that can differ from the input)."""
+
+    rows: np.ndarray
+    state: np.ndarray
+    replayed: int
+    touched: np.ndarray
+
+
+_NONE_TOUCHED = np.zeros(0, dtype=np.intp)
+_NONE_TOUCHED.flags.writeable = False
+
+
 def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarray,
                   replica: np.ndarray, absent: np.ndarray, applied: list[np.ndarray],
-                  missed: list[SentUpdate], cfg, weight_bound: float
-                  ) -> tuple[np.ndarray, np.ndarray, int]:
+                  missed: list[SentUpdate], cfg, weight_bound: float) -> Corrected:
     """``rows``/``state`` of one looked-up table as they would read had every update in
     ``missed`` (ascending seq) been applied before the read: for each update, the rows whose sign
     it has, that are not ``absent`` and whose PS replica (``replica[i]`` indexes ``applied``, each
     a sorted array of the seqs that replica had applied at the read) had not applied its seq, get
     ``apply_step(cfg, w, s, g, weight_bound)``, in seq order. Returns new arrays (the inputs are
-    read-only wire views, never written) and the number of row-steps replayed.
+    read-only wire views, never written), the number of row-steps replayed and the rows touched.
 
-    This runs on the training thread before every corrected batch, so it costs only what it
-    must: one searchsorted per update, the optimizer on the rows it hits (gathered once), and
-    O(1) checks of the inputs. ``signs`` must be sorted (the embedding worker's ``np.unique``
+    Part of it runs on the training thread before every corrected batch, so it costs only what
+    it must: one searchsorted per update, the optimizer on the rows it hits (gathered once, no
+    sort), and O(1) checks of the inputs. ``signs`` must be sorted (the embedding worker's ``np.unique``
     makes them so; the same signs are checked when their update becomes a :class:`SentUpdate`).
     """
     n = signs.shape[0]
@@ -167,21 +182,28 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
     new_rows = np.array(rows, dtype=np.float32, order="C")
     new_state = np.array(state, dtype=np.float32, order="C")
     if not hits:
-        return new_rows, new_state, 0
+        return Corrected(new_rows, new_state, 0, _NONE_TOUCHED)
     # the rows any update hits, gathered once; each update steps its own subset, in seq order
-    touched = hits[0][0] if len(hits) == 1 else np.unique(np.concatenate([p for p, _ in hits]))
-    w, s = new_rows[touched], new_state[touched]
-    for p, g in hits:
-        if len(hits) == 1:
-            apply_step(cfg, w, s, g, weight_bound)
-            break
-        i = np.searchsorted(touched, p)
-        wi, si = w[i], s[i]
-        apply_step(cfg, wi, si, g, weight_bound)
-        w[i], s[i] = wi, si
+    if len(hits) == 1:
+        touched = hits[0][0]  # ascending: searchsorted of sorted signs
+        w, s = new_rows[touched], new_state[touched]
+        apply_step(cfg, w, s, hits[0][1], weight_bound)
+    else:
+        mark = np.zeros(n, dtype=bool)
+        for p, _ in hits:
+            mark[p] = True
+        touched = np.flatnonzero(mark)
+        at = np.empty(n, dtype=np.intp)  # table position -> its place in ``touched``
+        at[touched] = np.arange(touched.size)
+        w, s = new_rows[touched], new_state[touched]
+        for p, g in hits:
+            i = at[p]
+            wi, si = w[i], s[i]
+            apply_step(cfg, wi, si, g, weight_bound)
+            w[i], s[i] = wi, si
     new_rows[touched] = w
     new_state[touched] = s
-    return new_rows, new_state, int(sum(p.size for p, _ in hits))
+    return Corrected(new_rows, new_state, int(sum(p.size for p, _ in hits)), touched)
 
 
 class UpdateHistory:

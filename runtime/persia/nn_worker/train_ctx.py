@@ -183,16 +183,23 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if self._own is not None:
             self._own = self._own.renewed()
 
+    def _prebuild(self, batch: PersiaTrainingBatch) -> None:
+        """In the lookup thread: replay the updates already sent that the read missed, then build
+        the tensors from the corrected rows."""
+        own = self._own
+        if batch.replay is not None and batch.requires_grad and own is not None:
+            own.correct_ahead(batch.emb_tables, batch.replay)
+        super()._prebuild(batch)
+
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
         batch = persia_training_batch
         if batch.replay is not None and batch.requires_grad and self._own is not None:
-            read = [t["rows"] for t in batch.emb_tables]
-            if self._own.correct(batch.emb_tables, batch.replay) and batch.prepared is not None:
-                # the tensors the lookup thread built read the rows before the correction
-                for i, (table, before) in enumerate(zip(batch.emb_tables, read)):
-                    if table["rows"] is not before:
-                        changed = np.flatnonzero((table["rows"] != before).any(axis=1))
-                        embedding_tensors.patch(batch.prepared.slots, i, table["rows"], changed)
+            fixed = self._own.correct(batch.emb_tables, batch.replay)
+            if fixed.replayed and batch.prepared is not None:
+                # the tensors the lookup thread built read the rows before these updates
+                for i, (table, touched) in enumerate(zip(batch.emb_tables, fixed.touched)):
+                    if touched is not None:
+                        embedding_tensors.patch(batch.prepared.slots, i, table["rows"], touched)
         return super().prepare_features(batch)
 
     def forward(self, batch: PersiaTrainingBatch):
