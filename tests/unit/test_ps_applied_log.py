@@ -76,9 +76,40 @@ def test_the_least_recently_used_source_is_dropped_beyond_the_limit():
     log.query(1, 0)  # a query counts as a use: source 2 is now the oldest
     log.record(MAX_SOURCES + 1, [1])
     assert len(log) == MAX_SOURCES
-    assert log.query(2, 0)[0].shape == (0,)  # dropped: unknown again
     np.testing.assert_array_equal(log.query(1, 0)[0], [1])
     np.testing.assert_array_equal(log.query(MAX_SOURCES + 1, 0)[0], [1])
+    # dropped: asking whether seq 1 was applied would read "no", and the NN worker would replay
+    # it twice; refused, naming the field. Above what it had recorded, nothing is applied yet.
+    with pytest.raises(ValueError, match=r"field 'applied.since' is 1 .*forgot which seqs below 2 .*source 2"):
+        log.query(2, 1)
+    with pytest.raises(ValueError, match="forgot"):
+        log.check(2, 0)
+    assert log.query(2, 2)[0].shape == (0,)
+
+
+def test_a_dropped_source_that_records_again_keeps_its_floor_and_clear_forgets_it():
+    log = AppliedLog(max_sources=2)
+    log.record(1, [1, 2, 3])
+    log.record(2, [1])
+    log.record(3, [1])  # drops source 1
+    log.record(4, [])  # drops source 2; source 4 never records a seq
+    log.record(5, [])  # drops source 3
+    assert log.query(4, 0)[0].shape == (0,)
+    log.record(6, [])  # drops source 5, which had nothing to forget
+    assert list(log._dropped) == [1, 2, 3]
+    log.record(1, [4, 5])  # back (source 4 dropped): only what it records from now on is known
+    np.testing.assert_array_equal(log.query(1, 4)[0], [4, 5])
+    with pytest.raises(ValueError, match="forgot which seqs below 4"):
+        log.query(1, 3)
+    log.clear()  # the rows were replaced: every source starts over
+    assert log.query(1, 0)[0].shape == (0,) and log.query(2, 0)[0].shape == (0,)
+
+
+def test_the_dropped_sources_remembered_are_bounded():
+    log = AppliedLog(max_sources=1, max_dropped=3)
+    for source in range(1, 7):
+        log.record(source, [1])
+    assert len(log._dropped) == 3 and list(log._dropped) == [3, 4, 5]
 
 
 def test_versions_change_with_every_record_and_clear_forgets():

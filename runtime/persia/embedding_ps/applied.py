@@ -8,7 +8,7 @@ worker then re-applies only its own updates the rows miss.
 
 Seqs are kept as disjoint half-open ranges ``[start, end)`` (each replica usually sees every seq,
 so a source is one range), only those above ``max seen - WINDOW``, for the ``MAX_SOURCES`` most
-recently used sources. Worst case (every other seq missing, every source full): 16 bytes per
+recently used sources; a query about seqs that a dropped source had recorded is refused. Worst case (every other seq missing, every source full): 16 bytes per
 range, 32,768 ranges per source, 128 MiB in all; one range per source in the usual case.
 """
 
@@ -22,12 +22,15 @@ from typing import Iterable
 
 import numpy as np
 
-__all__ = ["WINDOW", "MAX_SOURCES", "horizon", "AppliedLog"]
+__all__ = ["WINDOW", "MAX_SOURCES", "MAX_DROPPED", "horizon", "AppliedLog"]
 
 WINDOW = 65_536
 """Seqs kept per source: those > (highest recorded seq - WINDOW)."""
 MAX_SOURCES = 256
 """Sources kept (least recently recorded or queried dropped first)."""
+MAX_DROPPED = 65_536
+"""Dropped sources remembered (with the highest seq each had recorded), so that a query about
+seqs a dropped source had recorded is refused instead of answered "none applied"."""
 
 
 def horizon(max_seen: int) -> int:
@@ -39,13 +42,14 @@ def horizon(max_seen: int) -> int:
 class _Ranges:
     """Sorted disjoint, non-adjacent ranges ``[starts[i], ends[i])`` of one source's seqs."""
 
-    __slots__ = ("starts", "ends", "max_seen", "version")
+    __slots__ = ("starts", "ends", "max_seen", "version", "floor")
 
-    def __init__(self) -> None:
+    def __init__(self, floor: int = 0) -> None:
         self.starts = array("q")
         self.ends = array("q")
         self.max_seen = -1
         self.version = 0
+        self.floor = floor  # seqs below it were recorded before the source was dropped, then forgotten
 
     def add(self, s: int) -> None:
         starts, ends = self.starts, self.ends
@@ -95,11 +99,22 @@ class AppliedLog:
     every shard, and :meth:`query` while it shares the shards a lookup reads; the log's own lock
     only guards its dict (concurrent lookups query at once)."""
 
-    def __init__(self, max_sources: int = MAX_SOURCES) -> None:
+    def __init__(self, max_sources: int = MAX_SOURCES, max_dropped: int = MAX_DROPPED) -> None:
         self.max_sources = int(max_sources)
+        self.max_dropped = int(max_dropped)
         self._sources: OrderedDict[int, _Ranges] = OrderedDict()
+        # a dropped source -> the lowest seq it can still be asked about (above all it had recorded)
+        self._dropped: OrderedDict[int, int] = OrderedDict()
         self._lock = threading.Lock()
         self._versions = 0
+
+    def _drop_oldest(self) -> None:
+        source, entry = self._sources.popitem(last=False)
+        floor = max(entry.floor, entry.max_seen + 1)
+        if floor > 0:  # it had recorded seqs: asking about them would now read "none applied"
+            self._dropped[source] = floor
+            while len(self._dropped) > self.max_dropped:
+                self._dropped.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._sources)
@@ -110,9 +125,9 @@ class AppliedLog:
         with self._lock:
             entry = self._sources.get(source)
             if entry is None:
-                entry = self._sources[source] = _Ranges()
+                entry = self._sources[source] = _Ranges(floor=self._dropped.pop(source, 0))
                 while len(self._sources) > self.max_sources:
-                    self._sources.popitem(last=False)
+                    self._drop_oldest()
             else:
                 self._sources.move_to_end(source)
             if seqs:
@@ -125,8 +140,14 @@ class AppliedLog:
             self._versions += 1
             entry.version = self._versions
 
-    @staticmethod
-    def _check(entry: _Ranges | None, source: int, since: int) -> None:
+    def _check(self, entry: _Ranges | None, source: int, since: int) -> None:
+        floor = entry.floor if entry is not None else self._dropped.get(source, 0)
+        if since < floor:
+            raise ValueError(
+                f"field 'applied.since' is {since} but this PS replica forgot which seqs below {floor} "
+                f"source {source} had applied: more than {self.max_sources} update sources (NN worker "
+                "contexts) used it since, and the least recently used was dropped"
+            )
         low = horizon(entry.max_seen) if entry is not None else 0
         if since < low:
             raise ValueError(
@@ -142,7 +163,9 @@ class AppliedLog:
     def query(self, source: int, since: int) -> tuple[np.ndarray, int]:
         """``(sorted int64 seqs >= since recorded for source, version)``; an unknown source: nothing
         applied yet, version 0. The version changes whenever the source records anything.
-        ValueError (as :meth:`check`) when ``since`` lies below the source's horizon."""
+        ValueError (as :meth:`check`) when ``since`` lies below the source's horizon, or below
+        the seqs it had recorded when it was dropped (an answer would wrongly say "not applied",
+        and the NN worker would replay them a second time)."""
         with self._lock:
             entry = self._sources.get(source)
             self._check(entry, source, since)
@@ -159,4 +182,5 @@ class AppliedLog:
     def clear(self) -> None:
         with self._lock:
             self._sources.clear()
+            self._dropped.clear()
             self._versions += 1  # a lookup in flight sees every source's version change
