@@ -8,8 +8,9 @@ worker then re-applies only its own updates the rows miss.
 
 Seqs are kept as disjoint half-open ranges ``[start, end)`` (each replica usually sees every seq,
 so a source is one range), only those above ``max seen - WINDOW``, for the ``MAX_SOURCES`` most
-recently used sources; a query about seqs that a dropped source had recorded is refused. Worst case (every other seq missing, every source full): 16 bytes per
-range, 32,768 ranges per source, 128 MiB in all; one range per source in the usual case.
+recently used sources; a query about seqs that a dropped source had recorded is refused. Worst
+case (every other seq missing, every source full): 16 bytes per range, 32,768 ranges per source,
+128 MiB in all; one range per source in the usual case.
 """
 
 from __future__ import annotations
