@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path crds chart lint images images-check images-lock e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc crds chart lint images images-check images-lock e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -76,6 +76,10 @@ bench: $(BENCH_STAMP) bench-ps
 ## Only the CPU per training sample of each role (bench/path_cpu.py; bench/results/path_cpu.json).
 bench-path: $(STAMP)
 	$(PY) -m bench.path_cpu
+
+## CPU of one call on our gRPC layer against a plain TCP round trip of the same bytes (seconds).
+bench-rpc: $(STAMP)
+	$(PY) -m bench.rpc_call
 
 ## Only the latency runs (every connection between roles delayed 0, 0.5, 2 ms), merged into the last
 ## `make bench` results and report.
