@@ -46,18 +46,22 @@ def test_correct_replays_the_missed_updates_and_forgets_what_no_later_batch_need
     own.sent(_reply_tables(signs, rows), _slots(3), [g], 1.0, [])  # seq 1
     own.sent(_reply_tables(signs, rows), _slots(3), [g * 2], 1.0, [])  # seq 2
     tables = [{"dim": 4, "rows": rows}]
-    replay = {"source": 7, "since": 1, "tables": [{"signs": signs, "state": state, "replica": np.zeros(3, np.uint16),
-                                                   "absent": np.zeros(0, np.int32),
-                                                   "applied": [np.array([1], np.int64)]}]}
+
+    def reply(since):  # a lookup reply's replay part (correct replaces its state and notes what it replayed)
+        return {"source": 7, "since": since, "tables": [{"signs": signs, "state": state, "replica": np.zeros(3, np.uint16),
+                                                         "absent": np.zeros(0, np.int32),
+                                                         "applied": [np.array([1], np.int64)]}]}
+
+    replay = reply(1)
     fixed = own.correct(tables, replay)
     assert fixed.replayed == 3  # seq 1 was applied when read: only seq 2 replayed
     assert fixed.touched[0].tolist() == [0, 1, 2]
     w, s = rows.copy(), state.copy()
     apply_step(cfg, w, s, g * 2)
     np.testing.assert_array_equal(tables[0]["rows"], w)
-    assert own.correct([{"dim": 4, "rows": rows}], {**replay, "since": 2}).replayed == 3  # still kept for since 2
+    assert own.correct([{"dim": 4, "rows": rows}], reply(2)).replayed == 3  # still kept for since 2
     with pytest.raises(ValueError, match="forgotten"):  # since 2 was trained: below it is gone
-        own.correct([{"dim": 4, "rows": rows}], replay)
+        own.correct([{"dim": 4, "rows": rows}], reply(1))
 
 
 def test_a_lookup_made_under_an_earlier_source_is_not_corrected():
@@ -148,3 +152,7 @@ def test_the_lookup_threads_part_and_the_training_threads_part_equal_one_correct
         late_rows |= set(np.flatnonzero(np.isin(signs, u.tables[4][0])).tolist())
     assert set(fixed_split.touched[0].tolist()) == late_rows
     assert split.corrected_batches == 1 and split.replayed_row_steps == fixed_whole.replayed
+    # the batch's second forward (prepare_features again): nothing is stepped twice
+    again = split.correct(t_split, r_split)
+    assert again.replayed == 0 and again.touched == [None]
+    np.testing.assert_array_equal(t_split[0]["rows"], t_whole[0]["rows"])

@@ -136,9 +136,11 @@ class OwnUpdates:
             fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"], extra["replica"],
                                   extra["absent"], extra["applied"], missed, self.cfg, self.weight_bound)
             if fixed.replayed:
-                table["rows"] = fixed.rows
+                table["rows"], extra["state"] = fixed.rows, fixed.state
                 done += fixed.replayed
             touched.append(fixed.touched if fixed.replayed else None)
+        if missed:  # a second forward of the batch must not step its rows again
+            replay["through"] = missed[-1].seq
         self._count(done, batch=bool(done or replay.get("ahead")))
         return Correction(done, touched)
 
