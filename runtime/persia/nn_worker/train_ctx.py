@@ -179,7 +179,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     def _embeddings_replaced(self) -> None:
         """A PS that cleared or loaded its rows forgot which of our updates it applied (and the rows
         no longer hold them): our updates are numbered afresh, under a new source; batches looked
-        up before are trained on as they were read."""
+        up before are trained on as they were read (and replayed on by the lookup thread)."""
         if self._own is not None:
             self._own = self._own.renewed()
 
