@@ -77,6 +77,7 @@ if __name__ == "__main__":
             # one epoch per StreamingDataset, so the model is evaluated between epochs
             stream = StreamingDataset(10, until="epoch" if EPOCHS > 1 else "stream")
             loader = DataLoader(stream, reproducible=REPRODUCIBLE, embedding_staleness=EMBEDDING_STALENESS)
+            batch_idx = -1
             for batch_idx, data in enumerate(loader):
                 output, labels = ctx.forward(data)
                 loss = loss_fn(output, labels[0])
@@ -86,7 +87,8 @@ if __name__ == "__main__":
                 if batch_idx % 50 == 0:
                     logger.info("batch %d loss %.4f", batch_idx, loss.item())
             ctx.wait_for_pending_updates()
-            if EPOCHS > 1:
+            # after a restart, the epochs trained before it stream nothing: no AUC of theirs to report
+            if EPOCHS > 1 and batch_idx >= 0:
                 epoch_aucs.append(round(test(model)["auc"], 6))
                 logger.info("epoch %d: test AUC %.4f", epoch, epoch_aucs[-1])
         elapsed = time.monotonic() - start
