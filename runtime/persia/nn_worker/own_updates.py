@@ -95,31 +95,20 @@ class OwnUpdates:
 
     def correct_ahead(self, tables: list[dict], replay: dict) -> int:
         """The lookup thread's part of the correction, as soon as the reply is in: replay the
-        updates already sent that the read missed (``tables[i]["rows"]`` and the reply's
-        ``state`` replaced, ``replay["through"]`` set to the last seq replayed), so the training
-        thread replays only the updates sent after that. Returns the row-steps replayed."""
+        updates already sent that the read missed, so the training thread replays only the
+        updates sent after that (see :meth:`_replay`). Returns the row-steps replayed."""
         if int(replay["source"]) != self.source:
             return 0
-        missed = self.history.since(int(replay["since"]))
-        if not missed:
-            return 0
-        done = 0
-        for table, extra in zip(tables, replay["tables"]):
-            fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"], extra["replica"],
-                                  extra["absent"], extra["applied"], missed, self.cfg, self.weight_bound)
-            if fixed.replayed:
-                table["rows"], extra["state"] = fixed.rows, fixed.state
-                done += fixed.replayed
-        replay["through"] = missed[-1].seq  # the history only grows in seq order (one training thread)
+        done = self._replay(tables, replay, self.history.since(int(replay["since"]))).replayed
         replay["ahead"] = done
         self._count(done, batch=False, ahead=True)
         return done
 
     def correct(self, tables: list[dict], replay: dict) -> "Correction":
-        """Re-apply to a looked-up batch's rows (``tables[i]["rows"]``, replaced) the updates its
-        lookup missed and :meth:`correct_ahead` did not; just before the batch is trained. Rows
-        as they came (nothing replayed) for a lookup made under an earlier source: before the
-        PS's rows were cleared or loaded."""
+        """Re-apply to a looked-up batch's rows the updates its lookup missed and
+        :meth:`correct_ahead` did not; just before the batch is trained. Rows as they came
+        (nothing replayed) for a lookup made under an earlier source: before the PS's rows were
+        cleared or loaded."""
         if int(replay["source"]) != self.source:
             return Correction(0, [None] * len(tables))
         since = int(replay["since"])
@@ -128,20 +117,29 @@ class OwnUpdates:
         through = replay.get("through")
         if through is not None:
             missed = [u for u in missed if u.seq > through]
+        fixed = self._replay(tables, replay, missed)
+        self._count(fixed.replayed, batch=bool(fixed.replayed or replay.get("ahead")))
+        return fixed
+
+    def _replay(self, tables: list[dict], replay: dict, missed: list[SentUpdate]) -> "Correction":
+        """Step the rows of each table by ``missed`` (ascending seqs): ``tables[i]["rows"]`` and
+        the reply's ``state`` replaced where rows changed, and ``replay["through"]`` moved to the
+        last seq, so that no later part (nor a second forward of the batch) steps them again."""
         done, touched = 0, []
         for table, extra in zip(tables, replay["tables"]):
-            if not missed:
+            fixed = None
+            if missed:
+                fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"],
+                                      extra["replica"], extra["absent"], extra["applied"], missed,
+                                      self.cfg, self.weight_bound)
+            if fixed is None or not fixed.replayed:
                 touched.append(None)
                 continue
-            fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"], extra["replica"],
-                                  extra["absent"], extra["applied"], missed, self.cfg, self.weight_bound)
-            if fixed.replayed:
-                table["rows"], extra["state"] = fixed.rows, fixed.state
-                done += fixed.replayed
-            touched.append(fixed.touched if fixed.replayed else None)
-        if missed:  # a second forward of the batch must not step its rows again
+            table["rows"], extra["state"] = fixed.rows, fixed.state
+            done += fixed.replayed
+            touched.append(fixed.touched)
+        if missed:  # the history only grows in seq order (one training thread numbers updates)
             replay["through"] = missed[-1].seq
-        self._count(done, batch=bool(done or replay.get("ahead")))
         return Correction(done, touched)
 
     def _count(self, row_steps: int, batch: bool, ahead: bool = False) -> None:
