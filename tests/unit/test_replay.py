@@ -290,7 +290,8 @@ def test_corrected_stale_read_equals_a_fresh_read(name, use_kernel, seed, num_re
                 ps.apply(u, r)
     fresh_rows, fresh_state, _, fresh_absent = ps.read(q, cfg)
 
-    new_rows, new_state, replayed, touched = correct_table(DIM, rows, state, q, replica, absent, applied, rest, cfg, BOUND)
+    new_rows, new_state, replayed, touched = correct_table(DIM, rows, state, q, replica, absent, applied, rest, cfg, BOUND,
+                                                           use_kernel=use_kernel)
 
     np.testing.assert_array_equal(absent, fresh_absent)
     np.testing.assert_allclose(new_rows, fresh_rows, rtol=1e-6, atol=1e-7)
@@ -307,6 +308,50 @@ def test_corrected_stale_read_equals_a_fresh_read(name, use_kernel, seed, num_re
             if q[i] in u.tables[DIM][0] and u not in early[replica[i]]:
                 expect += 1
     assert replayed == expect
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels are not built")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), num_replicas=st.integers(1, 3))
+def test_the_compiled_replay_is_bit_identical_to_the_numpy_reference(name, seed, num_replicas):
+    """Same rows, state, row-steps and touched positions, bit for bit, from both paths: updates
+    that overlap each other, absent rows, replicas that applied some updates."""
+    cfg = OPTIMIZERS[name]
+    rng = np.random.default_rng(seed)
+    q = _sign_set(rng, 60)
+    updates = _updates(rng, np.concatenate([q, _sign_set(rng, 20)]), int(rng.integers(1, 6)))
+    rows = rng.uniform(-0.5, 0.5, (q.size, DIM)).astype(np.float32)
+    state = np.abs(rng.standard_normal((q.size, state_width(cfg, DIM)))).astype(np.float32)
+    if isinstance(cfg, AdamConfig):
+        state[:, -1] = rng.integers(0, 5, q.size)  # per-row step counts
+    replica = rng.integers(0, num_replicas, q.size).astype(np.uint16)
+    absent = np.flatnonzero(rng.random(q.size) < 0.1).astype(np.int32)
+    applied = [np.array(sorted(u.seq for u in updates if rng.random() < 0.3), np.int64) for _ in range(num_replicas)]
+    args = (DIM, rows, state, q, replica, absent, applied, updates, cfg, BOUND)
+    compiled, reference = correct_table(*args, use_kernel=True), correct_table(*args, use_kernel=False)
+    np.testing.assert_array_equal(compiled.rows, reference.rows)
+    np.testing.assert_array_equal(compiled.state, reference.state)
+    assert compiled.replayed == reference.replayed
+    np.testing.assert_array_equal(compiled.touched, reference.touched)
+    assert compiled.replayed == 0 or (compiled.rows != rows).any()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels are not built")
+def test_the_compiled_replay_refuses_what_its_merge_finds_wrong():
+    """The kernel checks what the O(1) checks cannot: signs out of order, and replica numbers
+    (already uint16, not range-checked in Python) past the replicas that answered."""
+    cfg = SGDConfig(lr=1.0)
+    rows, state = np.ones((3, 2), np.float32), np.zeros((3, 0), np.float32)
+    upd = SentUpdate(seq=1, tables={2: (np.array([10, 20, 30], np.uint64), np.ones((3, 2), np.float32))})
+    ok = dict(dim=2, rows=rows, state=state, signs=np.array([10, 20, 30], np.uint64), replica=np.zeros(3, np.uint16),
+              absent=np.zeros(0, np.int32), applied=[np.zeros(0, np.int64)], missed=[upd], cfg=cfg, weight_bound=0.0,
+              use_kernel=True)
+    assert correct_table(**ok).replayed == 3
+    with pytest.raises(ValueError, match="'signs'.*sorted"):
+        correct_table(**{**ok, "signs": np.array([20, 10, 30], np.uint64)})
+    with pytest.raises(ValueError, match="'replica'.*len\\(applied\\) = 1"):
+        correct_table(**{**ok, "replica": np.array([0, 1, 0], np.uint16)})
 
 
 def test_rows_a_replica_already_applied_are_not_stepped_again_and_absent_rows_stay():

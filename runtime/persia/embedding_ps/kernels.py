@@ -30,7 +30,7 @@ try:
 except ImportError:  # a source tree without a build: numpy only
     _kernels = None
 
-ABI = 2  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col)
+ABI = 3  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col; 3: replay)
 
 
 def stale_reason(module) -> str | None:
@@ -60,6 +60,7 @@ __all__ = [
     "update",
     "update_args",
     "scratch_for",
+    "replay",
     "partition",
     "sign_hash",
     "optimizer_args",
@@ -184,6 +185,18 @@ def update(table, signs: np.ndarray, grads: np.ndarray, args: dict, hit: np.ndar
     _, _, promoted = _kernels.update(signs=uniq, grads=summed, hit=hit_u, **common)
     hit[:] = hit_u[inverse]
     return UpdateResult(int(counts[~hit_u].sum()), int((counts[hit_u] - 1).sum()), promoted)
+
+
+def replay(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.ndarray, live: np.ndarray | None,
+           done: np.ndarray, usigns: np.ndarray, ugrads: np.ndarray, touched: np.ndarray, args: dict,
+           gbuf: np.ndarray) -> int:
+    """One missed update of an NN worker stepped, in place, onto its copy of a looked-up table
+    (:func:`persia.nn_worker.replay.correct_table` validates and prepares the arrays; ``args``
+    from :func:`update_args`, less ``salt``). Returns the row-steps; sets ``touched`` where it
+    stepped. One C call per update: the sorted-merge lookup and the steps run in C, holding the GIL
+    (a call is too short to be worth handing it away)."""
+    return _kernels.replay(rows=rows, state=state, signs=signs, replica=replica, live=live, done=done, usigns=usigns,
+                           ugrads=ugrads, touched=touched, gbuf=gbuf, **args)
 
 
 def partition(signs: np.ndarray, grads: np.ndarray, num_shards: int) -> tuple[list[int], np.ndarray, np.ndarray]:

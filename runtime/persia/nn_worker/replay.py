@@ -12,12 +12,14 @@ equal a read taken after those updates. Other ranks' updates stay stale, as in P
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from persia.embedding_ps import kernels
 from persia.embedding_ps.optimizers import apply_step, state_width
 
 __all__ = ["SentUpdate", "applied_tables", "Corrected", "correct_table", "UpdateHistory"]
@@ -124,7 +126,7 @@ _NONE_TOUCHED.flags.writeable = False
 
 def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarray,
                   replica: np.ndarray, absent: np.ndarray, applied: list[np.ndarray],
-                  missed: list[SentUpdate], cfg, weight_bound: float) -> Corrected:
+                  missed: list[SentUpdate], cfg, weight_bound: float, use_kernel: bool | None = None) -> Corrected:
     """``rows``/``state`` of one looked-up table as they would read had every update in
     ``missed`` (ascending seq) been applied before the read: for each update, the rows whose sign
     it has, that are not ``absent`` and whose PS replica (``replica[i]`` indexes ``applied``, each
@@ -133,9 +135,11 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
     read-only wire views, never written), the number of row-steps replayed and the rows touched.
 
     Part of it runs on the training thread before every corrected batch, so it costs only what
-    it must: one searchsorted per update, the optimizer on the rows it hits (gathered once, no
-    sort), and O(1) checks of the inputs. ``signs`` must be sorted (the embedding worker's ``np.unique``
-    makes them so; the same signs are checked when their update becomes a :class:`SentUpdate`).
+    it must: O(1) checks of the inputs, then per update one call of the compiled kernel
+    (``use_kernel``: None = when built, unless ``PERSIA_PS_PURE_NUMPY``) or, as the reference, one
+    searchsorted and the optimizer on the rows it hits. ``signs`` must be sorted (the embedding
+    worker's ``np.unique`` makes them so; the kernel checks what it merges, and the same signs are
+    checked when their update becomes a :class:`SentUpdate`).
     """
     n = signs.shape[0]
     absent = np.asarray(absent, dtype=np.int64)
@@ -157,20 +161,70 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
             raise ValueError(f"field 'absent': positions must lie in 0..{n - 1}, got {int(absent.min())}..{int(absent.max())}")
         live = np.ones(n, dtype=bool)
         live[absent] = False
+    new_rows = np.array(rows, dtype=np.float32, order="C")
+    new_state = np.array(state, dtype=np.float32, order="C")
+    updates = [(u.seq, u.tables[dim]) for u in missed if dim in u.tables] if n else []
+    if not updates:
+        return Corrected(new_rows, new_state, 0, _NONE_TOUCHED)
+    replay = _replay_compiled if kernels.resolve_use_kernel(use_kernel) else _replay_numpy
+    replayed, touched = replay(new_rows, new_state, signs, replica, live, applied, updates, cfg, weight_bound)
+    return Corrected(new_rows, new_state, replayed, touched)
+
+
+def _done_by(applied: list[np.ndarray], seq: int) -> np.ndarray:
+    """Which replicas had applied update ``seq`` when they read (few replicas: a short loop)."""
+    return np.array([a.size > 0 and bool(a[min(int(np.searchsorted(a, seq)), a.size - 1)] == seq) for a in applied],
+                    dtype=bool)
+
+
+def _replay_compiled(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.ndarray,
+                     live: np.ndarray | None, applied: list[np.ndarray], updates: list, cfg,
+                     weight_bound: float) -> tuple[int, np.ndarray]:
+    """Each update by one call of the compiled kernel (a merge of the sorted signs, the steps in
+    C), in place on ``rows``/``state``."""
+    n, dim = rows.shape
+    if replica.dtype != np.uint16:
+        if replica.size and not (0 <= int(replica.min()) and int(replica.max()) < len(applied)):
+            raise ValueError(f"field 'replica': a replica index is not below len(applied) = {len(applied)}")
+        replica = replica.astype(np.uint16)
+    replica = np.ascontiguousarray(replica)
+    signs = np.ascontiguousarray(signs)
+    mark = np.zeros(n, dtype=bool)
+    gbuf = np.empty(2 * dim, dtype=np.float32)
+    args = _kernel_args(cfg, weight_bound)
+    done = 0
+    for seq, (usigns, ugrads) in updates:
+        try:
+            done += kernels.replay(rows, state, signs, replica, live, _done_by(applied, seq), usigns, ugrads, mark,
+                                   args, gbuf)
+        except ValueError as e:  # the kernel's checks of what the O(1) checks above could not see
+            if "replica" in str(e):
+                raise ValueError(f"field 'replica': a replica index is not below len(applied) = {len(applied)}") from None
+            raise ValueError(f"field 'signs': {e}") from None
+    return done, (np.flatnonzero(mark) if done else _NONE_TOUCHED)
+
+
+@functools.lru_cache(maxsize=16)
+def _kernel_args(cfg, weight_bound: float) -> dict:
+    args = kernels.update_args(cfg, weight_bound)
+    del args["salt"]
+    return args
+
+
+def _replay_numpy(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.ndarray,
+                  live: np.ndarray | None, applied: list[np.ndarray], updates: list, cfg,
+                  weight_bound: float) -> tuple[int, np.ndarray]:
+    """The reference: per update one searchsorted, the optimizer on the rows it hits (gathered
+    once for all updates, no sort), in place on ``rows``/``state``."""
+    n = signs.shape[0]
     hits = []  # per update with rows to replay: (table positions, its gradient rows)
-    for u in missed:
-        t = u.tables.get(dim)
-        if t is None or n == 0:
-            continue
-        usigns, ugrads = t
+    for seq, (usigns, ugrads) in updates:
         pos = np.searchsorted(signs, usigns)
         np.minimum(pos, n - 1, out=pos)
         hit = signs[pos] == usigns
         if live is not None:
             hit &= live[pos]
-        # which replicas had already applied this update when they read (few replicas: a short loop)
-        done = np.array([a.size > 0 and bool(a[min(int(np.searchsorted(a, u.seq)), a.size - 1)] == u.seq)
-                         for a in applied], dtype=bool)
+        done = _done_by(applied, seq)
         if done.any():
             try:
                 hit &= ~done[replica[pos]]
@@ -179,14 +233,12 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
         sel = np.flatnonzero(hit)
         if sel.size:
             hits.append((pos[sel], np.take(ugrads, sel, axis=0)))
-    new_rows = np.array(rows, dtype=np.float32, order="C")
-    new_state = np.array(state, dtype=np.float32, order="C")
     if not hits:
-        return Corrected(new_rows, new_state, 0, _NONE_TOUCHED)
+        return 0, _NONE_TOUCHED
     # the rows any update hits, gathered once; each update steps its own subset, in seq order
     if len(hits) == 1:
         touched = hits[0][0]  # ascending: searchsorted of sorted signs
-        w, s = new_rows[touched], new_state[touched]
+        w, s = rows[touched], state[touched]
         apply_step(cfg, w, s, hits[0][1], weight_bound)
     else:
         mark = np.zeros(n, dtype=bool)
@@ -195,15 +247,15 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
         touched = np.flatnonzero(mark)
         at = np.empty(n, dtype=np.intp)  # table position -> its place in ``touched``
         at[touched] = np.arange(touched.size)
-        w, s = new_rows[touched], new_state[touched]
+        w, s = rows[touched], state[touched]
         for p, g in hits:
             i = at[p]
             wi, si = w[i], s[i]
             apply_step(cfg, wi, si, g, weight_bound)
             w[i], s[i] = wi, si
-    new_rows[touched] = w
-    new_state[touched] = s
-    return Corrected(new_rows, new_state, int(sum(p.size for p, _ in hits)), touched)
+    rows[touched] = w
+    state[touched] = s
+    return int(sum(p.size for p, _ in hits)), touched
 
 
 class UpdateHistory:
