@@ -488,3 +488,27 @@ def test_history_is_consistent_under_concurrent_use():
         t.join()
     assert not errors
     assert [u.seq for u in h.since(2951)] == list(range(2951, 3001))
+
+
+@pytest.mark.parametrize("use_kernel", _engines(), ids=lambda k: "kernel" if k else "numpy")
+def test_in_place_steps_the_given_arrays_to_what_a_copy_gets_and_refuses_wire_views(use_kernel):
+    """The second part of a batch's correction steps the arrays the first part returned, without
+    copying them; the result is the same, and read-only (wire) arrays are refused, not written."""
+    cfg = AdagradConfig(lr=0.1)
+    rng = np.random.default_rng(5)
+    q = _sign_set(rng, 50)
+    updates = _updates(rng, q, 3)
+    rows = rng.uniform(-0.5, 0.5, (q.size, DIM)).astype(np.float32)
+    state = np.full((q.size, DIM), 0.1, np.float32)
+    args = (DIM, rows, state, q, np.zeros(q.size, np.uint16), np.zeros(0, np.int32), [np.zeros(0, np.int64)])
+    copied = correct_table(*args, updates, cfg, BOUND, use_kernel=use_kernel)
+    first = correct_table(*args, updates[:1], cfg, BOUND, use_kernel=use_kernel)
+    second = correct_table(DIM, first.rows, first.state, *args[3:], updates[1:], cfg, BOUND, use_kernel=use_kernel,
+                           in_place=True)
+    assert second.rows is first.rows and second.state is first.state
+    np.testing.assert_array_equal(second.rows, copied.rows)
+    np.testing.assert_array_equal(second.state, copied.state)
+    assert first.replayed + second.replayed == copied.replayed
+    rows.flags.writeable = False
+    with pytest.raises(ValueError, match="field 'rows': in_place needs a writable .* read-only"):
+        correct_table(*args, updates, cfg, BOUND, use_kernel=use_kernel, in_place=True)

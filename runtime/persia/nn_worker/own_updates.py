@@ -96,10 +96,16 @@ class OwnUpdates:
     def correct_ahead(self, tables: list[dict], replay: dict) -> int:
         """The lookup thread's part of the correction, as soon as the reply is in: replay the
         updates already sent that the read missed, so the training thread replays only the
-        updates sent after that (see :meth:`_replay`). Returns the row-steps replayed."""
+        updates sent after that (see :meth:`_replay`), in place on arrays this thread copies from
+        the reply (so the training thread's part copies nothing). Returns the row-steps replayed."""
         if int(replay["source"]) != self.source:
             return 0
         done = self._replay(tables, replay, self.history.since(int(replay["since"]))).replayed
+        for table, extra in zip(tables, replay["tables"]):
+            if not extra.get("owned"):  # nothing replayed here: the reply's read-only views, copied
+                table["rows"] = np.array(table["rows"], dtype=np.float32, order="C")
+                extra["state"] = np.array(extra["state"], dtype=np.float32, order="C")
+                extra["owned"] = True
         replay["ahead"] = done
         self._count(done, batch=False, ahead=True)
         return done
@@ -129,13 +135,15 @@ class OwnUpdates:
         for table, extra in zip(tables, replay["tables"]):
             fixed = None
             if missed:
+                # arrays an earlier part returned are ours: stepped in place, not copied again
                 fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"],
                                       extra["replica"], extra["absent"], extra["applied"], missed,
-                                      self.cfg, self.weight_bound)
+                                      self.cfg, self.weight_bound, in_place=bool(extra.get("owned")))
             if fixed is None or not fixed.replayed:
                 touched.append(None)
                 continue
             table["rows"], extra["state"] = fixed.rows, fixed.state
+            extra["owned"] = True
             done += fixed.replayed
             touched.append(fixed.touched)
         if missed:  # the history only grows in seq order (one training thread numbers updates)

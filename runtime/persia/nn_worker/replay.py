@@ -126,13 +126,16 @@ _NONE_TOUCHED.flags.writeable = False
 
 def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarray,
                   replica: np.ndarray, absent: np.ndarray, applied: list[np.ndarray],
-                  missed: list[SentUpdate], cfg, weight_bound: float, use_kernel: bool | None = None) -> Corrected:
+                  missed: list[SentUpdate], cfg, weight_bound: float, use_kernel: bool | None = None,
+                  in_place: bool = False) -> Corrected:
     """``rows``/``state`` of one looked-up table as they would read had every update in
     ``missed`` (ascending seq) been applied before the read: for each update, the rows whose sign
     it has, that are not ``absent`` and whose PS replica (``replica[i]`` indexes ``applied``, each
     a sorted array of the seqs that replica had applied at the read) had not applied its seq, get
     ``apply_step(cfg, w, s, g, weight_bound)``, in seq order. Returns new arrays (the inputs are
-    read-only wire views, never written), the number of row-steps replayed and the rows touched.
+    read-only wire views, never written), the number of row-steps replayed and the rows touched;
+    with ``in_place`` it steps ``rows`` and ``state`` themselves and returns them (arrays an earlier
+    correction returned: the second part of a batch's correction then copies nothing).
 
     Part of it runs on the training thread before every corrected batch, so it costs only what
     it must: O(1) checks of the inputs, then per update one call of the compiled kernel
@@ -161,8 +164,16 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
             raise ValueError(f"field 'absent': positions must lie in 0..{n - 1}, got {int(absent.min())}..{int(absent.max())}")
         live = np.ones(n, dtype=bool)
         live[absent] = False
-    new_rows = np.array(rows, dtype=np.float32, order="C")
-    new_state = np.array(state, dtype=np.float32, order="C")
+    if in_place:
+        for field, a in (("rows", rows), ("state", state)):
+            if a.dtype != np.float32 or not a.flags.c_contiguous or not a.flags.writeable:
+                raise ValueError(f"field {field!r}: in_place needs a writable C-contiguous float32 array, got "
+                                 f"{a.dtype}{'' if a.flags.writeable else ', read-only'}"
+                                 f"{'' if a.flags.c_contiguous else ', not contiguous'}")
+        new_rows, new_state = rows, state
+    else:
+        new_rows = np.array(rows, dtype=np.float32, order="C")
+        new_state = np.array(state, dtype=np.float32, order="C")
     updates = [(u.seq, u.tables[dim]) for u in missed if dim in u.tables] if n else []
     if not updates:
         return Corrected(new_rows, new_state, 0, _NONE_TOUCHED)
