@@ -1163,12 +1163,12 @@ static PyObject *k_replay(PyObject *self, PyObject *args, PyObject *kwargs)
      * for it back: 16,960 against 17,600 samples/s in three interleaved pairs). */
     const Py_ssize_t steps = replay_loop(&o, w, st, width, q, n, rep, lv, dn, replicas, uq, ug, m, tc, g, dim);
     release_all(&s);
-    if (steps == -ERR_UNSORTED) {
-        PyErr_SetString(PyExc_ValueError, "signs and usigns must be sorted and distinct");
+    if (steps == -ERR_UNSORTED) { /* named as correct_table's fields: its caller sees these */
+        PyErr_SetString(PyExc_ValueError, "field 'signs': signs and the update's signs must be sorted and distinct");
         return NULL;
     }
     if (steps == -ERR_REPLICA) {
-        PyErr_Format(PyExc_ValueError, "replica: a replica index is not below len(done) = %zd", replicas);
+        PyErr_Format(PyExc_ValueError, "field 'replica': a replica index is not below len(applied) = %zd", replicas);
         return NULL;
     }
     return PyLong_FromSsize_t(steps);

@@ -191,8 +191,8 @@ def replay(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.n
            done: np.ndarray, usigns: np.ndarray, ugrads: np.ndarray, touched: np.ndarray, args: dict,
            gbuf: np.ndarray) -> int:
     """One missed update of an NN worker stepped, in place, onto its copy of a looked-up table
-    (:func:`persia.nn_worker.replay.correct_table` validates and prepares the arrays; ``args``
-    from :func:`update_args`, less ``salt``). Returns the row-steps; sets ``touched`` where it
+    (:func:`persia.nn_worker.replay.correct_table` validates and prepares the arrays; ``args``:
+    :func:`optimizer_args` and ``weight_bound``). Returns the row-steps; sets ``touched`` where it
     stepped. One C call per update: the sorted-merge lookup and the steps run in C, holding the GIL
     (a call is too short to be worth handing it away)."""
     return _kernels.replay(rows=rows, state=state, signs=signs, replica=replica, live=live, done=done, usigns=usigns,

@@ -204,22 +204,15 @@ def _replay_compiled(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, rep
     gbuf = np.empty(2 * dim, dtype=np.float32)
     args = _kernel_args(cfg, weight_bound)
     done = 0
-    for seq, (usigns, ugrads) in updates:
-        try:
-            done += kernels.replay(rows, state, signs, replica, live, _done_by(applied, seq), usigns, ugrads, mark,
-                                   args, gbuf)
-        except ValueError as e:  # the kernel's checks of what the O(1) checks above could not see
-            if "replica" in str(e):
-                raise ValueError(f"field 'replica': a replica index is not below len(applied) = {len(applied)}") from None
-            raise ValueError(f"field 'signs': {e}") from None
+    for seq, (usigns, ugrads) in updates:  # the kernel checks the order of the signs it merges and the replicas
+        done += kernels.replay(rows, state, signs, replica, live, _done_by(applied, seq), usigns, ugrads, mark, args,
+                               gbuf)
     return done, (np.flatnonzero(mark) if done else _NONE_TOUCHED)
 
 
 @functools.lru_cache(maxsize=16)
 def _kernel_args(cfg, weight_bound: float) -> dict:
-    args = kernels.update_args(cfg, weight_bound)
-    del args["salt"]
-    return args
+    return dict(kernels.optimizer_args(cfg), weight_bound=float(weight_bound))
 
 
 def _replay_numpy(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.ndarray,
