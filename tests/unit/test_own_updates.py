@@ -139,12 +139,16 @@ def test_the_lookup_threads_part_and_the_training_threads_part_equal_one_correct
     r_split = _replay_reply(signs, state, applied)
     ahead = split.correct_ahead(t_split, r_split)
     assert ahead > 0 and r_split["through"] == 3 and r_split["ahead"] == ahead
+    ours = t_split[0]["rows"], r_split["tables"][0]["state"]  # the lookup thread's own copies
+    assert ours[0] is not rows and ours[1] is not state and ours[0].flags.writeable
     for own in (whole, split):
         send(own, 2)  # seqs 4-5: sent after the reply came in, before the batch is trained
     t_whole = [{"dim": 4, "rows": rows}]
     fixed_whole = whole.correct(t_whole, _replay_reply(signs, state, applied))
     fixed_split = split.correct(t_split, r_split)
     assert fixed_split.replayed > 0 and ahead + fixed_split.replayed == fixed_whole.replayed
+    # the training thread's part stepped those copies in place: nothing copied on its thread
+    assert t_split[0]["rows"] is ours[0] and r_split["tables"][0]["state"] is ours[1]
     np.testing.assert_array_equal(t_split[0]["rows"], t_whole[0]["rows"])
     # the late part touched only rows of seqs 4-5, and every row it changed
     late_rows = set()

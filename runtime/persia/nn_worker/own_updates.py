@@ -100,12 +100,11 @@ class OwnUpdates:
         the reply (so the training thread's part copies nothing). Returns the row-steps replayed."""
         if int(replay["source"]) != self.source:
             return 0
+        for table, extra in zip(tables, replay["tables"]):  # the reply's read-only views, copied once
+            table["rows"] = np.array(table["rows"], dtype=np.float32, order="C")
+            extra["state"] = np.array(extra["state"], dtype=np.float32, order="C")
+            extra["owned"] = True
         done = self._replay(tables, replay, self.history.since(int(replay["since"]))).replayed
-        for table, extra in zip(tables, replay["tables"]):
-            if not extra.get("owned"):  # nothing replayed here: the reply's read-only views, copied
-                table["rows"] = np.array(table["rows"], dtype=np.float32, order="C")
-                extra["state"] = np.array(extra["state"], dtype=np.float32, order="C")
-                extra["owned"] = True
         replay["ahead"] = done
         self._count(done, batch=False, ahead=True)
         return done
@@ -135,7 +134,7 @@ class OwnUpdates:
         for table, extra in zip(tables, replay["tables"]):
             fixed = None
             if missed:
-                # arrays an earlier part returned are ours: stepped in place, not copied again
+                # arrays the lookup thread copied (correct_ahead) are ours: stepped in place, not copied again
                 fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"],
                                       extra["replica"], extra["absent"], extra["applied"], missed,
                                       self.cfg, self.weight_bound, in_place=bool(extra.get("owned")))
