@@ -26,6 +26,8 @@ MAX_ITEMS = 1 << 16
 MAX_NAME = 1024
 MAX_CARRIED_UPDATES = 1024
 """Earlier batches' updates one lookup may carry (at most the NN worker's backward buffer)."""
+MAX_GROUPED_LOOKUPS = 8
+"""Batches one ``Step`` may look up together (``persia.nn_worker.lookup_group``)."""
 
 
 class MessageError(ValueError):
@@ -240,10 +242,19 @@ class PsUpdate(_Msg):
 
 
 class PsStep(_Msg):
-    """Update first, then lookup (either may be absent for a replica that owns none of its IDs)."""
+    """Update first, then lookup (either may be absent for a replica that owns none of its IDs).
+    ``lookups``: several batches' lookups instead of ``lookup``, answered in one list (None: a
+    batch with none of its IDs on this replica)."""
 
     update: PsUpdate | None = None
     lookup: PsLookup | None = None
+    lookups: Annotated[list[PsLookup | None], Field(max_length=MAX_GROUPED_LOOKUPS)] = []
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "PsStep":
+        if self.lookup is not None and self.lookups:
+            raise ValueError("fields 'lookup' and 'lookups' are exclusive: send one batch's lookup or a list")
+        return self
 
 
 class WorkerLookup(_Msg):
@@ -279,12 +290,24 @@ class WorkerUpdate(_Msg):
 
 
 class WorkerStep(_Msg):
-    """Lookup of ``ref`` carrying earlier batches' gradients, applied before the lookup."""
+    """Lookup of ``ref`` carrying earlier batches' gradients, applied before the lookup; or, with
+    ``lookups`` instead of ``ref``, the lookups of several batches in one call per PS replica,
+    answered one by one (a batch that cannot be looked up does not fail the others)."""
 
-    ref: Index
+    ref: Index | None = None
     train: bool = True
     updates: Annotated[list[WorkerUpdate], Field(max_length=MAX_CARRIED_UPDATES)] = []
     replay: PsAppliedQuery | None = None  # as in WorkerLookup
+    lookups: Annotated[list[WorkerLookup], Field(max_length=MAX_GROUPED_LOOKUPS)] = []
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "WorkerStep":
+        if (self.ref is None) == (not self.lookups):
+            raise ValueError(f"give field 'ref' or field 'lookups', not both and not neither "
+                             f"(ref={self.ref!r}, {len(self.lookups)} lookups)")
+        if self.lookups and self.replay is not None:
+            raise ValueError("field 'replay' goes with 'ref'; with 'lookups' each lookup has its own")
+        return self
 
 
 class WorkerRelease(_Msg):

@@ -259,8 +259,12 @@ class EmbeddingParameterServer:
     def step(self, req: dict) -> dict:
         """Gradients of earlier batches, then the next batch's lookup, in one call: the embedding
         worker's way of saving a round trip (and a gRPC call on each end) per batch. The reply
-        is the lookup's (``state``, ``absent``, ``applied`` when asked) plus ``missing``."""
+        is the lookup's (``state``, ``absent``, ``applied`` when asked) plus ``missing``. With
+        ``lookups`` (several batches' lookups, for one call instead of one each), the reply's
+        ``lookups`` holds each one's answer in order (None where none was asked)."""
         missing = self.update(req["update"])["missing"] if req.get("update") else 0
+        if req.get("lookups"):
+            return {"lookups": [None if q is None else self.lookup(q) for q in req["lookups"]], "missing": missing}
         out = self.lookup(req["lookup"]) if req.get("lookup") else {"rows": []}
         out["missing"] = missing
         return out

@@ -301,17 +301,9 @@ class EmbeddingWorker:
         self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t0)
         return {"missing": missing, "skipped": skipped}
 
-    def step(self, req: dict) -> dict:
-        """Earlier batches' gradients (``updates``, applied first) and the lookup of ``ref``, with
-        one call per PS replica: what an NN worker sends instead of Update + Lookup."""
-        t0 = time.perf_counter()
-        # The lookup's ID features first (they may still be on their way): TooManyWaiting is then
-        # answered before anything is done, so the NN worker can send the same Step again.
-        try:
-            ref, batch, prepared, train = self._take_for_lookup(req)
-            lost = None
-        except LookupError as exc:  # the lookup cannot run (expired, released): the gradients still land
-            lost = exc
+    def _carried_updates(self, req: dict) -> tuple[list[dict | None], list[str]]:
+        """A Step's ``updates`` as one PS update request per replica (None: nothing for it), and
+        the slots whose non-finite gradients were skipped."""
         t1 = time.perf_counter()
         carried: list[list[dict]] = [[] for _ in self.ps]
         skipped: list[str] = []
@@ -322,7 +314,22 @@ class EmbeddingWorker:
                 carried[s] += tables
         if req.get("updates"):
             self.metrics.observe("update_gradient_time_cost_sec", time.perf_counter() - t1)
-        updates = [self._tagged(t, req.get("updates") or []) for t in carried]
+        return [self._tagged(t, req.get("updates") or []) for t in carried], skipped
+
+    def step(self, req: dict) -> dict:
+        """Earlier batches' gradients (``updates``, applied first) and the lookup of ``ref``, with
+        one call per PS replica: what an NN worker sends instead of Update + Lookup."""
+        if req.get("lookups"):
+            return self._step_lookups(req)
+        t0 = time.perf_counter()
+        # The lookup's ID features first (they may still be on their way): TooManyWaiting is then
+        # answered before anything is done, so the NN worker can send the same Step again.
+        try:
+            ref, batch, prepared, train = self._take_for_lookup(req)
+            lost = None
+        except LookupError as exc:  # the lookup cannot run (expired, released): the gradients still land
+            lost = exc
+        updates, skipped = self._carried_updates(req)
         if lost is not None:
             self._call_ps("Update", updates)
             raise lost
@@ -340,6 +347,57 @@ class EmbeddingWorker:
                             replay is not None)
         self._looked_up(ref, batch, prepared, positions, train, t0)
         return {**reply, "missing": missing, "skipped": skipped}
+
+    def _step_lookups(self, req: dict) -> dict:
+        """A Step with several batches' ``lookups``: the carried updates, then every lookup, in one
+        call per PS replica (its per-call cost is most of what a batch costs the worker and the
+        PS). Each lookup is answered on its own in ``lookups``: its reply, or ``{"error", "kind"}``
+        with the status a lone lookup would have got (its ID features lost or expired, or too many
+        lookups waiting for theirs); the others go on. Too many waiting on the first lookup, when
+        nothing has been done yet, fails the call as it fails a lone Step, to be sent again."""
+        t0 = time.perf_counter()
+        taken: list[Any] = []
+        for i, lookup in enumerate(req["lookups"]):
+            try:
+                taken.append(self._take_for_lookup(lookup))
+            except TooManyWaiting as exc:
+                if i == 0:
+                    raise
+                taken.append(exc)
+            except LookupError as exc:  # expired, released, never sent: the gradients still land
+                taken.append(exc)
+        updates, skipped = self._carried_updates(req)
+        ok = [i for i, t in enumerate(taken) if not isinstance(t, BaseException)]
+        asked: dict[int, tuple[list, list[dict | None], bool]] = {}
+        for i in ok:
+            _ref, batch, prepared, train = taken[i]
+            replay = _replay(req["lookups"][i], train)
+            positions, lookups = self._lookup_requests(prepared, train, batch.get("batch_id"), replay)
+            asked[i] = (positions, lookups, replay is not None)
+        if not ok:
+            replies = self._call_ps("Update", updates)
+        else:
+            requests = [
+                {"update": updates[s], "lookups": [asked[i][1][s] for i in ok]}
+                if updates[s] is not None or any(asked[i][1][s] is not None for i in ok) else None
+                for s in range(len(self.ps))
+            ]
+            replies = self._call_ps("Step", requests)
+        missing = sum(int(r["missing"]) for r in replies if r is not None)
+        answers: list[dict] = []
+        for i, t in enumerate(taken):
+            if isinstance(t, BaseException):
+                kind, detail = rpc.error_status(t)
+                answers.append({"error": detail, "kind": kind})
+                continue
+            ref, batch, prepared, train = t
+            positions, lookups, replay = asked[i]
+            k = ok.index(i)
+            per_replica = [r["lookups"][k] if r is not None and lookups[s] is not None else None
+                           for s, r in enumerate(replies)]
+            answers.append(self._reply(prepared, positions, per_replica, replay))
+            self._looked_up(ref, batch, prepared, positions, train, t0)
+        return {"lookups": answers, "missing": missing, "skipped": skipped}
 
     def release(self, req: dict) -> dict:
         """Forget batches nobody will train on (the uneven tail across DDP ranks, a batch whose

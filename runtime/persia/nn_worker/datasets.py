@@ -178,6 +178,16 @@ class StreamingDataset(IterableDatasetBase):
         # Goes through the same queue so it is seen after every batch that loader sent before it.
         return {"ack": True} if self._offer(("eos", msg)) else BUSY
 
+    def has_ready(self) -> bool:
+        """Whether the next message waiting is a batch this view yields at once (not an end of
+        stream, nor a later epoch's batch): the dispatcher then looks it up together with the
+        one before it without waiting for the data loaders (``persia.nn_worker.lookup_group``)."""
+        with self._queue.mutex:  # queue.Queue's own lock over its deque: a peek, nothing taken
+            if not self._queue.queue:
+                return False
+            kind, msg = self._queue.queue[0]
+        return kind == "batch" and (self.epoch is None or int(msg.get("epoch", 0)) <= self.epoch)
+
     def source(self, bus, rank: int, timeout_s: float, owner=None) -> Iterator[dict]:
         """Messages in arrival order, until the stream (or this epoch) ends. ``owner``: the
         context whose training session this is (the stream's state lives with it)."""

@@ -169,13 +169,40 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         try:
             resp = self._lookup_call(worker, msg, transferred)
         except BaseException as exc:
-            if holds_permit and self._permits is not None:
-                self._permits.release()
-            if answered_with(exc, BatchLost):
-                raise BatchLost(f"batch {msg['batch_id']} of data loader {msg.get('loader', 0)}: its ID features "
-                                f"never reached embedding worker {worker}: {exc.remote_message}",
-                                loader=int(msg["loader"]) if msg.get("loader") is not None else None) from None
-            raise
+            failed = self._lookup_failed(msg, holds_permit, exc)
+            if failed is exc:
+                raise
+            raise failed from None
+        return self._training_batch(msg, holds_permit, resp)
+
+    def _lookup_group_size(self) -> int:
+        """Batches a training stream's dispatcher looks up per call (TrainCtx decides)."""
+        return 1
+
+    def _lookup_messages(self, msgs: list[dict], holds_permit: list[bool], transferred: list) -> list:
+        """Several streamed batches of one embedding worker looked up (TrainCtx: in one call);
+        each one's batch, or the error it alone failed with."""
+        out: list = []
+        for msg, holds, moved in zip(msgs, holds_permit, transferred):
+            try:
+                out.append(self._lookup_message(msg, holds, moved))
+            except BaseException as exc:  # noqa: BLE001 - that batch's future raises it
+                out.append(exc)
+        return out
+
+    def _lookup_failed(self, msg: dict, holds_permit: bool, exc: BaseException) -> BaseException:
+        """A batch's lookup failed: its staleness permit goes back, and a batch whose ID features
+        will never come is a BatchLost naming its loader (counted and skipped, not fatal)."""
+        if holds_permit and self._permits is not None:
+            self._permits.release()
+        if answered_with(exc, BatchLost):
+            return BatchLost(f"batch {msg['batch_id']} of data loader {msg.get('loader', 0)}: its ID features "
+                             f"never reached embedding worker {int(msg['worker'])}: {exc.remote_message}",
+                             loader=int(msg["loader"]) if msg.get("loader") is not None else None)
+        return exc
+
+    def _training_batch(self, msg: dict, holds_permit: bool, resp: dict) -> PersiaTrainingBatch:
+        worker = int(msg["worker"])
         return PersiaTrainingBatch(
             non_id_type_features=[f["data"] for f in msg["non_id"]],
             non_id_type_feature_names=[f["name"] for f in msg["non_id"]],

@@ -6,6 +6,9 @@ Pipeline (all threads, bounded queues so memory is bounded by ``forward_buffer_s
     dataset source --(reorder if reproducible)--> dispatcher: acquire staleness permit,
         submit lookup to a pool of ``num_workers`` --> FIFO of futures --> __next__ (training loop)
 
+When the next batch is already waiting, the dispatcher may look it up in the same call as the one
+before (``persia.nn_worker.lookup_group``): one permit and one future per batch, one call per hop.
+
 Gradients go back from ``TrainCtx.backward``; when the PS has applied them the permit is released,
 so at most ``embedding_staleness`` batches per NN worker are looked up but not yet applied.
 """
@@ -24,6 +27,7 @@ from persia.errors import BatchLost, ContextRequired
 from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
+from persia.nn_worker.lookup_group import group_fits
 from persia.nn_worker.reorder import _reordered
 from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS, staleness_bound, warmup_steps_setting
 from persia.nn_worker.training_batch import PersiaTrainingBatch
@@ -111,6 +115,11 @@ class _LoaderIterator:
         ctx._attach_permits(self._permits)
         # Just-in-time lookups for training streams; eval/infer datasets prefetch freely.
         self._lookahead = Lookahead(loader.forward_buffer_size) if (train and self.streaming) else None
+        # Batches per lookup call. Reproducible mode releases batches in id order, so a batch
+        # waiting in the queue may not be next: it looks up one at a time.
+        self._group = (ctx._lookup_group_size()
+                       if train and self.streaming and not loader.reproducible and hasattr(ctx, "_lookup_group_size")
+                       else 1)
         self._last_next: float | None = None
         self._thread = threading.Thread(target=self._dispatch, name="persia-dispatch", daemon=True)
         self._thread.start()
@@ -143,36 +152,107 @@ class _LoaderIterator:
             return True, None
         return self._permits.acquire_or_take_over(claim, self._stop)
 
+    def _try_permit(self) -> tuple[bool, Any]:
+        """:meth:`_acquire_permit` without waiting (a group's further batches)."""
+        claim = getattr(self.ctx, "_claim_permit", None)
+        if claim is None:
+            return self._permits.acquire(blocking=False), None
+        return self._permits.try_acquire_or_take_over(claim)
+
+    def _join(self, item: Any, first: dict) -> tuple[dict, bool, Any] | None:
+        """``item`` dispatched into ``first``'s lookup group, if it can go in the same call
+        without waiting: a streamed batch for the same embedding worker, with a permit free now."""
+        if item is _END or not isinstance(item, dict) or self._stop.is_set():
+            return None
+        requires_grad = bool(item.get("requires_grad", True))
+        if requires_grad != bool(first.get("requires_grad", True)) or int(item["worker"]) != int(first["worker"]):
+            return None
+        holds_permit = self._permits is not None and requires_grad
+        transferred = None
+        if holds_permit:
+            got, transferred = self._try_permit()
+            if not got:
+                return None
+        if self._lookahead is not None:
+            self._lookahead.add()
+        target = self._permits.target if self._permits is not None else None
+        return self.ctx._dispatched(item, target), holds_permit, transferred
+
     def _dispatch(self) -> None:
         try:
-            for item in self._source():
+            source = self._source()
+            carry: Any = None  # an item read ahead for a group that did not join it
+            while True:
+                item, carry = (carry, None) if carry is not None else (next(source, _END), None)
+                if item is _END:
+                    break
                 if self._stop.is_set():
                     self._release_unlooked(item)
                     continue
-                if isinstance(item, dict):
-                    if self._lookahead is not None and not self._lookahead.acquire(self._stop):
+                if not isinstance(item, dict):
+                    self._put(self._pool.submit(self._direct_lookup, item))
+                    continue
+                if self._lookahead is not None and not self._lookahead.acquire(self._stop):
+                    self._release_unlooked(item)
+                    continue
+                holds_permit = self._permits is not None and bool(item.get("requires_grad", True))
+                transferred = None
+                if holds_permit:
+                    got, transferred = self._acquire_permit()
+                    if not got:
                         self._release_unlooked(item)
                         continue
-                    holds_permit = self._permits is not None and bool(item.get("requires_grad", True))
-                    transferred = None
-                    if holds_permit:
-                        got, transferred = self._acquire_permit()
-                        if not got:
-                            self._release_unlooked(item)
-                            continue
-                    item = self.ctx._dispatched(item, self._permits.target if self._permits is not None else None)
-                    fut = self._pool.submit(self._timed_lookup, item, holds_permit, transferred)
-                    if transferred is not None:  # a lookup cancelled at shutdown still applies it
-                        fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
-                else:
-                    fut = self._pool.submit(self._direct_lookup, item)
-                self._put(fut)
+                target = self._permits.target if self._permits is not None else None
+                group = [(self.ctx._dispatched(item, target), holds_permit, transferred)]
+                limit = self._permits.limit if self._permits is not None else None
+                while (len(group) < self._group and group_fits(self._group, limit)
+                       and self.loader.dataset.has_ready()):
+                    nxt = next(source, _END)
+                    joined = self._join(nxt, item)
+                    if joined is None:
+                        carry = nxt
+                        break
+                    group.append(joined)
+                self._submit(group)
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
             failed: Future = Future()
             failed.set_exception(exc)
             self._put(failed, force=True)
             return
         self._put(_END, force=True)
+
+    def _submit(self, group: list[tuple[dict, bool, Any]]) -> None:
+        """One lookup task for ``group`` (``(message, holds_permit, transferred update)`` each),
+        and its batches' futures in stream order."""
+        if len(group) == 1:
+            item, holds_permit, transferred = group[0]
+            futures = [self._pool.submit(self._timed_lookup, item, holds_permit, transferred)]
+        else:
+            futures = [Future() for _ in group]
+            task = self._pool.submit(self._timed_lookup_group, group, futures)
+            task.add_done_callback(lambda t, fs=futures: _settle(t, fs))
+        for (_item, _holds, transferred), fut in zip(group, futures):
+            if transferred is not None:  # a lookup cancelled at shutdown still applies it
+                fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
+        for fut in futures:
+            self._put(fut)
+
+    def _timed_lookup_group(self, group: list[tuple[dict, bool, Any]], futures: list[Future]) -> None:
+        """A group's lookup in one call; each batch's future gets its batch or its own error."""
+        t0 = time.perf_counter()
+        looked = self.ctx._lookup_messages([g[0] for g in group], [g[1] for g in group], [g[2] for g in group])
+        for batch, fut in zip(looked, futures):
+            if not isinstance(batch, BaseException):
+                try:
+                    self.ctx._prebuild(batch)
+                except BaseException as exc:  # noqa: BLE001 - raised to the training loop by its future
+                    batch = exc
+            if isinstance(batch, BaseException):
+                fut.set_exception(batch)
+            else:
+                fut.set_result(batch)
+        if self._lookahead is not None:
+            self._lookahead.record_lookup(time.perf_counter() - t0)
 
     def _timed_lookup(self, item: dict, holds_permit: bool, transferred: Any = None) -> PersiaTrainingBatch:
         t0 = time.perf_counter()
@@ -292,3 +372,18 @@ class _LoaderIterator:
                 ACCOUNT.fail("uneven_tail", dropped)
                 log.warning("dropped %d trailing batches so that every NN rank trains the same number of steps", dropped)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(task: Future, futures: list[Future]) -> None:
+    """A group's lookup task ended: a cancelled task (shutdown) cancels its batches' futures, so
+    their callbacks run (a taken-over update is still sent); a task that failed outside any one
+    batch fails the futures it left unset."""
+    if task.cancelled():
+        for fut in futures:
+            fut.cancel()
+        return
+    exc = task.exception()
+    if exc is not None:
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(exc)

@@ -60,6 +60,12 @@ class Lookahead:
             self.outstanding += 1
             return True
 
+    def add(self) -> None:
+        """One batch more in flight without waiting: the second batch of a lookup group, which
+        goes when its first would have gone alone (``persia.nn_worker.lookup_group``)."""
+        with self._cond:
+            self.outstanding += 1
+
     def release(self) -> None:
         with self._cond:
             self.outstanding = max(0, self.outstanding - 1)

@@ -121,6 +121,15 @@ class RampedStalenessBound:
                     return False, None
                 self.cond.wait(poll_s)
 
+    def try_acquire_or_take_over(self, claim: Callable[[], Any]) -> tuple[bool, Any]:
+        """:meth:`acquire_or_take_over` without waiting: ``(False, None)`` when neither a free
+        permit nor an update to take over is there right now."""
+        with self.cond:
+            if self.acquire(blocking=False):
+                return True, None
+            taken = claim()
+            return (True, taken) if taken is not None else (False, None)
+
     def release(self) -> None:
         with self.cond:
             if self.held <= 0:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from persia.bus import subject
-from persia.errors import BatchLost, PersiaError, PersiaValidationError, answered_with
+from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError, TooManyWaiting, answered_with
 from persia.metrics import Metrics
 from persia.nn_worker.embedding_ctx import (
     EmbeddingCtx,
@@ -26,6 +26,7 @@ from persia.nn_worker import checkpoint_plan
 from persia.nn_worker.checkpoint import check_optimizer_state
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
+from persia.nn_worker.lookup_group import lookup_group_setting, lookup_group_size
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker import embedding_tensors
 from persia.nn_worker.own_updates import OwnUpdates, replay_setting
@@ -103,6 +104,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # one at a time, each holding this from taking its updates out until the PS answered
         self._send_order = threading.RLock() if self._own is not None else None
         self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order)
+        self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
         self._control_group = None
         self.trained_batches = 0
@@ -351,9 +353,10 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._backward_slots.release()
 
     def _call_applying(self, worker: int, method: str, request: dict, updates: list[PendingUpdate],
-                       passes: PendingUpdate | None = None, fut: Future | None = None) -> dict:
+                       passes: PendingUpdate | list[PendingUpdate] | None = None, fut: Future | None = None) -> dict:
         """``method`` on embedding worker ``worker``, which applies ``updates``: their future and
-        permits follow the call (``passes``: the update whose permit goes on to a new lookup)."""
+        permits follow the call (``passes``: the updates whose permits go on to new lookups)."""
+        passing = [] if passes is None else [passes] if isinstance(passes, PendingUpdate) else list(passes)
         fut = fut or self._track()
         try:
             resp = self._call_worker(worker, method, request)
@@ -367,7 +370,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             fut.set_result(None)
         finally:
             for u in updates:
-                self._applied(u, passes_permit=u is passes)
+                self._applied(u, passes_permit=any(u is p for p in passing))
         return resp
 
     def _update_now(self, update: PendingUpdate, passes_permit: bool = False, fut: Future | None = None) -> None:
@@ -423,41 +426,69 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
     def _lookup_call(self, worker: int, msg: dict, transferred: PendingUpdate | None = None) -> dict:
         """``Step``: this worker's pending updates (and ``transferred``), then the lookup."""
-        request = {"ref": int(msg["ref"]), "train": True}
-        replay = msg.get("replay")
-        if replay is not None:
-            request["replay"] = replay
+        request = _lookup_request(msg)
+        resp = self._carrying(worker, request, [] if transferred is None else [transferred], alone="Lookup")
+        return _with_replay(resp, msg.get("replay"))
+
+    def _lookup_messages(self, msgs: list[dict], holds_permit: list[bool], transferred: list) -> list:
+        """The lookups of several batches of one embedding worker in one ``Step`` (with this
+        worker's pending updates and the ``transferred`` ones, applied first); each batch, or the
+        error it alone failed with. A lookup the worker could not start because too many wait for
+        their ID features is sent again on its own, as a lone lookup would be."""
+        worker = int(msgs[0]["worker"])
+        lookups = [_lookup_request(m) for m in msgs]
+        try:
+            resp = self._carrying(worker, {"lookups": lookups}, [t for t in transferred if t is not None], alone="Step")
+        except BaseException as exc:  # noqa: BLE001 - every batch of the call fails with it
+            return [self._lookup_failed(m, h, exc) for m, h in zip(msgs, holds_permit)]
+        out: list = []
+        for msg, holds, lookup, answer in zip(msgs, holds_permit, lookups, resp["lookups"]):
+            try:
+                if "error" in answer:
+                    exc = RemoteError(f"embedding worker {worker}: Step, lookup of ref {lookup['ref']}",
+                                      answer["error"], kind=answer["kind"])
+                    if not answered_with(exc, TooManyWaiting):
+                        raise exc
+                    answer = self._call_worker(worker, "Lookup", lookup)
+            except BaseException as exc:  # noqa: BLE001 - that batch's future raises it
+                out.append(self._lookup_failed(msg, holds, exc))
+                continue
+            out.append(self._training_batch(msg, holds, _with_replay(answer, msg.get("replay"))))
+        return out
+
+    def _lookup_group_size(self) -> int:
+        """Batches per lookup call (``persia.nn_worker.lookup_group``)."""
+        return lookup_group_size(self._group_setting, self._own is not None, self.world_size)
+
+    def _carrying(self, worker: int, request: dict, transfers: list[PendingUpdate], alone: str) -> dict:
+        """``request`` to embedding worker ``worker`` carrying its pending updates and the
+        ``transfers`` (updates whose permits lookups took over), applied before its lookups: a
+        ``Step``, or ``alone`` when it carries none."""
         # while another call carries updates, a lookup with no permit to take over carries none
-        ordered = self._send_order is not None and self._send_order.acquire(blocking=transferred is not None)
+        ordered = self._send_order is not None and self._send_order.acquire(blocking=bool(transfers))
         try:
             carried = [] if self._send_order is not None and not ordered else self._outbox.claim_for(worker)
-            if transferred is not None and self._send_order is not None:
-                # reserved, left in the outbox: applied by an earlier call (in order) if no longer
-                # pending; else carried, or applied now when it belongs to another worker
-                if not any(u is transferred for u in carried) and self._outbox.take(transferred):
-                    if transferred.worker == worker:
-                        carried.append(transferred)
-                    else:
-                        self._update_now(transferred)
-            elif transferred is not None:
-                if transferred.worker == worker:
+            for transferred in transfers:
+                if self._send_order is not None:
+                    # reserved, left in the outbox: applied by an earlier call (in order) if no
+                    # longer pending; else carried, or applied now when it belongs to another worker
+                    if not any(u is transferred for u in carried) and self._outbox.take(transferred):
+                        if transferred.worker == worker:
+                            carried.append(transferred)
+                        else:
+                            self._update_now(transferred)
+                elif transferred.worker == worker:
                     carried.append(transferred)
                 else:  # another worker's batch: applied first on its own, its permit passes on
                     self._update_now(transferred, passes_permit=True)
             if not carried:
-                resp = self._call_worker(worker, "Lookup", request)
-            else:
-                carried.sort(key=lambda u: u.queued_at)
-                request["updates"] = [u.message() for u in carried]
-                resp = self._call_applying(worker, "Step", request, carried, passes=transferred)
+                return self._call_worker(worker, alone, request)
+            carried.sort(key=lambda u: u.queued_at)
+            request["updates"] = [u.message() for u in carried]
+            return self._call_applying(worker, "Step", request, carried, passes=transfers)
         finally:
             if ordered:
                 self._send_order.release()
-        if replay is not None:
-            resp["replay"].update(replay)  # the source and since the answer is about
-            for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
-                table["signs"] = extra["signs"]  # what the PS applies of this batch's update names rows by sign
-        return resp
 
     def _update_done(self, fut: Future) -> None:
         with self._pending_lock:
@@ -554,6 +585,24 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
 class NonFiniteModel(PersiaError):
     """The dense model's parameters are NaN/Inf."""
+
+
+def _lookup_request(msg: dict) -> dict:
+    """A training lookup of a streamed batch (``WorkerLookup``), with its replay query if any."""
+    request = {"ref": int(msg["ref"]), "train": True}
+    if msg.get("replay") is not None:
+        request["replay"] = msg["replay"]
+    return request
+
+
+def _with_replay(resp: dict, replay: dict | None) -> dict:
+    """A lookup reply made ready for own-update replay: the source and since it answers about, and
+    each table's signs (what the PS applies of this batch's update names rows by sign)."""
+    if replay is not None:
+        resp["replay"].update(replay)
+        for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
+            table["signs"] = extra["signs"]
+    return resp
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
