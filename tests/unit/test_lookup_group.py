@@ -10,7 +10,7 @@ import pytest
 
 from persia.data import Lookahead, StreamingDataset
 from persia.messages import MessageError, PsStep, WorkerStep, validate
-from persia.nn_worker.lookup_group import group_fits, lookup_group_setting, lookup_group_size
+from persia.nn_worker.lookup_group import group_under_bound, lookup_group_setting, lookup_group_size
 from persia.nn_worker.staleness import RampedStalenessBound
 
 
@@ -30,11 +30,11 @@ def test_two_batches_per_call_by_default_only_where_every_missed_update_is_repla
     assert lookup_group_size(4, replays_own_updates=False, world_size=8) == 4  # the setting wins
 
 
-def test_a_group_needs_a_bound_of_twice_its_size():
-    assert group_fits(2, None) and group_fits(2, 4) and group_fits(3, 10)
-    assert not group_fits(2, 3)  # synchronous-like bounds keep one batch per lookup
-    assert not group_fits(2, 1)
-    assert not group_fits(1, None)
+def test_a_group_is_at_most_half_the_staleness_bound():
+    assert group_under_bound(2, None) == 2 and group_under_bound(2, 4) == 2 and group_under_bound(3, 10) == 3
+    assert group_under_bound(4, 6) == 3  # smaller, not none
+    assert group_under_bound(2, 3) == 1 and group_under_bound(2, 1) == 1  # synchronous: one per lookup
+    assert group_under_bound(1, None) == 1
 
 
 def test_the_lookahead_takes_a_groups_second_batch_without_waiting():

@@ -27,7 +27,7 @@ from persia.errors import BatchLost, ContextRequired
 from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
-from persia.nn_worker.lookup_group import group_fits
+from persia.nn_worker.lookup_group import group_under_bound
 from persia.nn_worker.reorder import _reordered
 from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS, staleness_bound, warmup_steps_setting
 from persia.nn_worker.training_batch import PersiaTrainingBatch
@@ -204,9 +204,8 @@ class _LoaderIterator:
                         continue
                 target = self._permits.target if self._permits is not None else None
                 group = [(self.ctx._dispatched(item, target), holds_permit, transferred)]
-                limit = self._permits.limit if self._permits is not None else None
-                while (len(group) < self._group and group_fits(self._group, limit)
-                       and self.loader.dataset.has_ready()):
+                size = group_under_bound(self._group, self._permits.limit if self._permits is not None else None)
+                while len(group) < size and self.loader.dataset.has_ready():
                     nxt = next(source, _END)
                     joined = self._join(nxt, item)
                     if joined is None:

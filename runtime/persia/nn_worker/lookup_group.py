@@ -44,8 +44,8 @@ def lookup_group_size(setting: int | None, replays_own_updates: bool, world_size
     return DEFAULT_GROUP if replays_own_updates and world_size == 1 else 1
 
 
-def group_fits(group: int, staleness_limit: int | None) -> bool:
-    """Whether ``group`` batches may be looked up together under the current staleness bound:
-    a group holds one permit per batch, and a bound below twice the group would leave training
-    waiting on every other step."""
-    return group > 1 and (staleness_limit is None or staleness_limit >= 2 * group)
+def group_under_bound(group: int, staleness_limit: int | None) -> int:
+    """How many batches may go in one call under the current staleness bound: a group holds one
+    permit per batch, and a group larger than half the bound would leave training waiting for
+    permits on every other step (1 for bounds below 4, synchronous training included)."""
+    return group if staleness_limit is None else max(1, min(group, staleness_limit // 2))
