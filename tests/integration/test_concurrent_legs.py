@@ -44,6 +44,23 @@ def hold_forward(monkeypatch, batch_id: int, then_fail: bool) -> dict:
     return seen
 
 
+def start_waiting_lookups(worker, refs, lookup) -> list:
+    """``lookup(ref)`` for each of ``refs`` (never sent), each in its own thread; returns the
+    threads once the worker holds MAX_WAITING_LOOKUPS lookups waiting (polled with a deadline)."""
+    import threading
+
+    from persia.embedding_worker.service import MAX_WAITING_LOOKUPS
+
+    threads = [threading.Thread(target=lookup, args=(r,), daemon=True) for r in refs]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 30
+    while worker.forward_buffer.waiting < MAX_WAITING_LOOKUPS and time.monotonic() < end:
+        time.sleep(0.005)
+    assert worker.forward_buffer.waiting == MAX_WAITING_LOOKUPS
+    return threads
+
+
 def test_a_lookup_that_comes_before_the_ids_waits_for_them(persia_env, monkeypatch):
     held = hold_forward(monkeypatch, batch_id=1, then_fail=False)
     seen, errors, worker = train_through_failed_sends([make_batch(i) for i in range(4)])
@@ -133,13 +150,7 @@ def test_waiting_lookups_are_bounded_and_the_nn_worker_asks_again(persia_env):
             except Exception as exc:  # noqa: BLE001 - the test looks at it
                 replies[ref] = exc
 
-        waiting = [threading.Thread(target=lookup, args=(r, client.call), daemon=True) for r in refs[:-1]]
-        for t in waiting:
-            t.start()
-        end = time.monotonic() + 30
-        while worker.forward_buffer.waiting < MAX_WAITING_LOOKUPS and time.monotonic() < end:
-            time.sleep(0.005)
-        assert worker.forward_buffer.waiting == MAX_WAITING_LOOKUPS
+        waiting = start_waiting_lookups(worker, refs[:-1], lambda r: lookup(r, client.call))
         with pytest.raises(RemoteError) as refused:
             client.call("Lookup", {"ref": refs[-1], "train": False})
         assert refused.value.kind == "RESOURCE_EXHAUSTED" and "ask again" in str(refused.value)

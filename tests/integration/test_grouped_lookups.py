@@ -4,7 +4,6 @@ its own, and hybrid training with groups ends where synchronous training ends.""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.rpc import Client
 
 from .cluster import cluster
+from .test_concurrent_legs import start_waiting_lookups
 from .test_own_update_replay import N_BATCHES, _same, _train
 from .test_training_path import BS, Model, eval_embeddings, make_batch, send_in_thread
 
@@ -73,14 +73,8 @@ def test_too_many_waiting_fails_the_call_on_its_first_lookup_and_only_that_looku
         bus = shared_bus()
         client = Client(worker.address, SERVICE)
         missing = [batch_ref("w", 0, 100 + i) for i in range(MAX_WAITING_LOOKUPS + 2)]
-        waiting = [threading.Thread(target=lambda r=r: _swallow(client.call, "Lookup", {"ref": r, "train": False}),
-                                    daemon=True) for r in missing[:MAX_WAITING_LOOKUPS]]
-        for t in waiting:
-            t.start()
-        end = time.monotonic() + 30
-        while worker.forward_buffer.waiting < MAX_WAITING_LOOKUPS and time.monotonic() < end:
-            time.sleep(0.005)
-        assert worker.forward_buffer.waiting == MAX_WAITING_LOOKUPS
+        waiting = start_waiting_lookups(worker, missing[:MAX_WAITING_LOOKUPS],
+                                        lambda r: _swallow(client.call, "Lookup", {"ref": r, "train": False}))
         here = [_forward(bus, "w", i, seed=i)["ref"] for i in range(2)]
         try:
             with pytest.raises(RemoteError) as refused:
@@ -131,8 +125,14 @@ def test_hybrid_training_with_grouped_lookups_ends_where_synchronous_training_en
         with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.5),
                       dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
             seen = []
-            # not reproducible: one data loader thread sends in order, and batches queue up ahead
-            for batch in DataLoader(StreamingDataset(8), embedding_staleness=4, staleness_warmup_steps=0):
+            dataset = StreamingDataset(8)
+            # not reproducible: one data loader thread sends in order
+            for batch in DataLoader(dataset, embedding_staleness=8, staleness_warmup_steps=0):
+                # each step waits (polled, with a deadline) until batches queue up behind this one,
+                # as they do when the data loaders are ahead of training: groups form from those
+                end = time.monotonic() + 10
+                while dataset._queue.qsize() < 2 and sender.is_alive() and time.monotonic() < end:
+                    time.sleep(0.002)
                 seen.append(batch.batch_id)
                 out, labels = ctx.forward(batch)
                 ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
