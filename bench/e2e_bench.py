@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import machine as machine_probe
 from bench._paths import DOCS_DIR, RESULTS_DIR, child_env
 from bench.persia_local import adult_income_command, find_launcher, launcher_unavailable_reason, synthetic_command
 from bench.procmem import PeakMemorySampler
@@ -390,6 +391,8 @@ def run_profile(
         f"data: {manifest.splits['train'].rows} train / {manifest.splits['test'].rows} test rows in {data_dir} "
         f"(teacher test AUC {manifest.teacher.test_auc:.4f}, vocab {sum(manifest.vocab_sizes)} IDs)"
     )
+    machine = machine_probe.probe()  # before any run: what this machine's figures mean
+    log(f"machine: {machine_probe.describe(machine)}")
     persia_reason = None
     launcher = None
     parts = frozenset({"latency"} if only_latency else {"models", "latency"})
@@ -480,6 +483,7 @@ def run_profile(
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            **machine,
         },
         "data": {
             "train_rows": manifest.splits["train"].rows,

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.machine import describe as describe_machine
 from bench._paths import DOCS_DIR, RESULTS_DIR
 from bench.spec import DEFAULT_HYBRID_STALENESS, persia_label
 from bench.summary import (PERSIA_ADULT_AUC, TARGETS, baseline, headline, hybrid_label, latency_rows, summarize,
@@ -113,8 +114,10 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
     out: list[str] = []
     w = out.append
     w("## End to end: our system in local mode against single-process baselines\n")
+    probed = describe_machine(doc["machine"])
     w(
-        f"Profile `{prof['name']}`, {doc['machine']['cpus']} CPUs, every role on this machine; "
+        f"Profile `{prof['name']}`, {doc['machine']['cpus']} CPUs{f' ({probed})' if probed else ''}, "
+        f"every role on this machine; "
         f"whole run {doc.get('total_seconds', 0):.0f} s (`make bench` also runs the PS benchmark first). "
         f"Regenerate with `make bench` (`python -m bench.e2e_bench`); raw runs in `bench/results/runs.json`, "
         f"headline figures in `bench/results/e2e.json`.\n"
