@@ -1,0 +1,60 @@
+"""A data loader's imports and context do not load torch; PERSIA_TORCH_THREADS still holds for a
+torch loaded later, and the NN worker's names are still in ``persia.ctx``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PERSIA_TORCH_THREADS")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_data_loader_starts_without_torch_and_a_later_torch_gets_its_threads():
+    got = _run("""
+        import sys
+        from persia.ctx import BaseCtx, DataCtx, cnt_ctx
+        from persia.embedding.data import PersiaBatch, IDTypeFeatureWithSingleID, NonIDTypeFeature, Label
+        ctx = BaseCtx()
+        assert "torch" not in sys.modules, "importing the data loader's API loaded torch"
+        import torch
+        assert torch.get_num_threads() == 1, torch.get_num_threads()
+        assert ctx.device == torch.device("cpu") and ctx.device is ctx.device
+        print("ok")
+    """, PERSIA_TORCH_THREADS="1", OMP_NUM_THREADS="2")
+    assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr[-2000:]
+
+
+def test_with_torch_loaded_first_the_context_sets_its_threads():
+    got = _run("""
+        import torch
+        torch.set_num_threads(2)
+        from persia.context import BaseCtx
+        BaseCtx()
+        print(torch.get_num_threads())
+    """, PERSIA_TORCH_THREADS="1")
+    assert got.returncode == 0 and got.stdout.strip() == "1", got.stderr[-2000:]
+
+
+def test_a_bad_thread_count_is_refused_by_name():
+    got = _run("from persia.context import BaseCtx; BaseCtx()", PERSIA_TORCH_THREADS="0")
+    assert got.returncode != 0 and "PERSIA_TORCH_THREADS must be >= 1, got 0" in got.stderr
+
+
+def test_every_name_persia_ctx_exports_resolves():
+    import persia.ctx as ctx
+    from persia.nn_worker.train_ctx import TrainCtx
+
+    for name in ctx.__all__:
+        assert getattr(ctx, name) is not None
+    assert ctx.TrainCtx is TrainCtx and "TrainCtx" in dir(ctx)
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        ctx.Nope  # noqa: B018
