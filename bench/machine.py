@@ -62,7 +62,6 @@ def wake_round_trip_us(cpu_a: int, cpu_b: int, round_trips: int = ROUND_TRIPS, r
             os._exit(1)
     os.close(far_in)
     os.close(far_out)
-    mask = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {cpu_a})
         for _ in range(50):  # both ends scheduled once before timing
@@ -77,7 +76,7 @@ def wake_round_trip_us(cpu_a: int, cpu_b: int, round_trips: int = ROUND_TRIPS, r
             samples.append((time.perf_counter() - start) / round_trips * 1e6)
         return statistics.median(samples)
     finally:
-        os.sched_setaffinity(0, mask)
+        os.sched_setaffinity(0, cpus)
         os.close(to_far)
         os.close(from_far)
         os.waitpid(pid, 0)

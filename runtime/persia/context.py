@@ -7,6 +7,7 @@ start, every restart included)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -80,16 +81,12 @@ class BaseCtx:
         if threads:
             set_torch_threads(int(threads))
 
-    @property
+    @functools.cached_property
     def device(self):
         """``torch.device`` of this context: ``cuda:<device_id>``, or the CPU (made on first use)."""
-        device = self.__dict__.get("_device")
-        if device is None:
-            import torch
+        import torch
 
-            device = torch.device(f"cuda:{self.device_id}") if self.device_id is not None else torch.device("cpu")
-            self.__dict__["_device"] = device
-        return device
+        return torch.device(f"cuda:{self.device_id}") if self.device_id is not None else torch.device("cpu")
 
     def __enter__(self):
         self._enter()

@@ -6,6 +6,8 @@ The data loader's ``DataCtx`` lives in ``persia.data_loader``; the NN worker's c
 (``from persia.ctx import DataCtx``) does not load torch.
 """
 
+import sys
+
 from persia.context import BaseCtx, _role_name, cnt_ctx, ctx_stack  # noqa: F401 (private names kept)
 from persia.data_loader.ctx import DataCtx
 from persia.data_loader.wire import _named_arrays, id_features_to_wire  # noqa: F401
@@ -26,11 +28,9 @@ _NN_WORKER = {  # name -> the persia.nn_worker module it lives in
 def __getattr__(name: str):
     if name not in _NN_WORKER:
         raise AttributeError(f"module 'persia.ctx' has no attribute {name!r}")
-    from persia.nn_worker import checkpoint, embedding_ctx, infer_ctx, train_ctx  # torch, on first use
+    from persia.nn_worker import checkpoint, embedding_ctx, infer_ctx, train_ctx  # noqa: F401 (torch, on first use)
 
-    module = {"checkpoint": checkpoint, "embedding_ctx": embedding_ctx, "infer_ctx": infer_ctx,
-              "train_ctx": train_ctx}[_NN_WORKER[name]]
-    value = globals()[name] = getattr(module, name)  # looked up once
+    value = globals()[name] = getattr(sys.modules[f"persia.nn_worker.{_NN_WORKER[name]}"], name)  # looked up once
     return value
 
 
