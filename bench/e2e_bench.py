@@ -45,13 +45,13 @@ class SystemPlan:
     num_embedding_workers: int = 1
     threads: int | None = None  # None: the profile's baseline_threads (our launcher sets its own)
     staleness: int | None = None  # persia-hybrid only; None: the profile's hybrid_staleness
-    nn_threads: int | None = None  # our system only; None: the profile's persia_nn_threads
+    nn_threads: int | str | None = None  # our system only; None: the profile's persia_nn_threads
     fused: bool = False  # torch only: torch's own optimizers instead of the PS's formula
     colocate_ps: bool = False  # our system only: the PS inside the embedding worker's process
     replay: bool = True  # our system only: False reads stale embeddings, as PERSIA does
 
 
-LAUNCHER_BUDGET = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's budget
+LAUNCHER_BUDGET = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's default
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Profile:
     # the headline hybrid configuration (ratio_*, auc_gap_hybrid_sync): its staleness bound, and
     # the torch threads of our NN worker in every run (None: the launcher's thread budget)
     hybrid_staleness: int = DEFAULT_HYBRID_STALENESS
-    persia_nn_threads: int | None = None
+    persia_nn_threads: int | str | None = None
     # CPU per sample by role (bench/path_cpu.py): training rows of the small and the large run of
     # each pair (one pair per repeat, headline configuration); None: not measured
     path_cpu_rows: tuple[int, int] | None = None
@@ -193,9 +193,10 @@ PROFILES: dict[str, Profile] = {
         # PERSIA's examples' bound: with replay (the default) a looser bound costs no AUC, and it
         # hid the 2 ms delay best (docs/benchmarks.md, "Own-update replay")
         hybrid_staleness=10,
-        # our NN worker gets both cores' worth of torch threads (OMP passive waiting keeps them from
-        # starving the other roles): FFNN 1,355 vs 845 samples/s with the launcher's 1 thread
-        persia_nn_threads=2,
+        # the NN worker measures its torch thread count in training (the launcher's default, said in
+        # the label): on a 2-core VM one thread stepped MLP 400 at batch 256 13-15% faster than
+        # two, while two stepped the FFNN 1.4x faster (docs/benchmarks.md, session 9)
+        persia_nn_threads="auto",
         latency=LatencyPlan(train_rows=60_000, test_rows=20_000),
         path_cpu_rows=(40_000, 160_000),
         path_cpu_targets=(PathPlan("ratio_mlp400_b1024", "mlp400", 1024, (80_000, 320_000)),
@@ -449,7 +450,7 @@ def run_profile(
                 try:
                     return {"status": "ok", **measure_pairs(
                         launcher, data_dir, *rows, pairs, logs_dir,
-                        staleness=profile.hybrid_staleness, nn_threads=profile.persia_nn_threads or 2,
+                        staleness=profile.hybrid_staleness, nn_threads=profile.persia_nn_threads or "auto",
                         batch_size=batch_size, log=log, colocate_ps=colocate_ps, mlp=mlp)}
                 except RuntimeError as exc:
                     return {"status": "failed", "reason": str(exc)}

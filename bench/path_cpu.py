@@ -56,7 +56,7 @@ def median_by_role(pairs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: int, pairs: int, logs_dir: Path,
-                  system: str = "persia-hybrid", staleness: int | None = 2, nn_threads: int = 2,
+                  system: str = "persia-hybrid", staleness: int | None = 2, nn_threads: int | str = "auto",
                   batch_size: int = 256, log=print, colocate_ps: bool = False, mlp: str = "mlp400") -> dict[str, Any]:
     """``pairs`` (small, large) runs of our system; per pair the marginal CPU per sample by role."""
     from bench.e2e_bench import command_for, execute  # late: e2e_bench reports through this module
@@ -90,7 +90,7 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
 
 
 def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
-            nn_threads: int, batch_size: int, results_dir: Path, log=print, colocate_ps: bool = False,
+            nn_threads: int | str, batch_size: int, results_dir: Path, log=print, colocate_ps: bool = False,
             mlp: str = "mlp400") -> dict[str, Any]:
     from bench.e2e_bench import PROFILES
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small-rows", type=int, default=40_000)
     p.add_argument("--large-rows", type=int, default=160_000)
     p.add_argument("--pairs", type=int, default=2)
-    p.add_argument("--nn-threads", type=int, default=2)
+    p.add_argument("--nn-threads", default="auto", help="a count or 'auto' (persia-launcher local --nn-threads)")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--mlp", default="mlp400", help="the synthetic-CTR model (mlp400, ffnn or 'a,b,c')")
     p.add_argument("--colocate-ps", action="store_true", help="the PS inside the embedding worker's process")

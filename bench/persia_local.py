@@ -84,7 +84,7 @@ def launcher_argv(
     num_embedding_workers: int,
     num_nn_workers: int = 1,
     num_data_loaders: int = 1,
-    nn_threads: int | None = None,
+    nn_threads: int | str | None = None,
     colocate_ps: bool = False,
 ) -> list[str]:
     threads = ["--nn-threads", str(nn_threads)] if nn_threads else []

@@ -188,9 +188,10 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "from 1 over the first steps (1 for the first 200), the runtime's default without replay; `persia-sync` = "
         "staleness 1 (the update is applied before the next lookup), the synchronous reference; "
         "`ps=N ew=N` = PS and embedding-worker replicas; `colocated` = `--colocate-ps`, each PS replica inside its embedding worker's process, called without gRPC; `nn-threads=T` = `persia-launcher local "
-        f"--nn-threads T` (without it the launcher's budget applies: 1 NN thread on 2 cores, one core "
-        f"kept for the other roles). This profile runs our system with "
-        f"{'`--nn-threads ' + str(threads) + '`' if threads else 'the launcher budget'} unless a label says otherwise."
+        f"--nn-threads T`; `auto` (the launcher's default) starts with the NN worker's share of the cores, "
+        f"trains blocks of steps at that count, half of it and one thread, and keeps the fastest "
+        f"(`persia.nn_worker.thread_tuning`; the choice is in the NN worker's log). This profile runs our system with "
+        f"{'`--nn-threads ' + str(threads) + '`' if threads else 'the launcher default'} unless a label says otherwise."
     )
     w(
         f"- **Method**: each run is its own process tree (peak memory and CPU time per run); {prof['repeats']} "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,7 +14,7 @@ DEFAULT_HYBRID_STALENESS = 10
 
 
 def persia_label(system: str, staleness: int, num_ps: int = 1, num_embedding_workers: int = 1,
-                 nn_threads: int | None = None, colocate_ps: bool = False, replay: bool = True) -> str:
+                 nn_threads: int | str | None = None, colocate_ps: bool = False, replay: bool = True) -> str:
     """Name of one configuration of our system; the synchronous reference (staleness 1) has none."""
     bound = "" if system == "persia-sync" else f" st={staleness}"
     threads = f" nn-threads={nn_threads}" if nn_threads else ""
@@ -44,7 +44,8 @@ class RunSpec(BaseModel):
     fused: bool = False
     # our system only
     staleness: int | None = Field(default=None, ge=1)
-    nn_threads: int | None = Field(default=None, ge=1)  # torch threads per NN worker; None: the launcher's budget
+    # torch threads per NN worker, or "auto" (measured in training); None: the launcher's default (auto)
+    nn_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     # persia-hybrid: PERSIA_STALENESS_WARMUP_STEPS for the run (None: the runtime's default ramp)
     staleness_warmup_steps: int | None = Field(default=None, ge=0)
     num_ps: int = Field(default=1, ge=1)

@@ -50,6 +50,31 @@ def set_torch_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
 
 
+def torch_threads_setting(value: str, cores: int, local_procs: int) -> tuple[int, bool]:
+    """``PERSIA_TORCH_THREADS``: a count; ``auto``: start with this process's share of the cores and
+    let the NN worker measure which count trains fastest (``persia.nn_worker.thread_tuning``);
+    ``auto:N``: the same from N. Returns (threads to start with, whether to measure)."""
+    text = value.strip().lower()
+    measure = text == "auto" or text.startswith("auto:")
+    if text == "auto":
+        return max(1, cores // max(1, local_procs)), True
+    try:
+        threads = int(text[len("auto:"):] if measure else text)
+    except ValueError:
+        raise PersiaValidationError(
+            f"PERSIA_TORCH_THREADS must be a count, 'auto' or 'auto:<count>', got {value!r}") from None
+    if threads < 1:
+        raise PersiaValidationError(f"PERSIA_TORCH_THREADS must be >= 1, got {value!r}")
+    return threads, measure
+
+
+def _available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _role_name() -> str:
     rank = env.get_rank()
     if rank is not None:
@@ -77,9 +102,13 @@ class BaseCtx:
                     f"device_id={device_id} out of range: {torch.cuda.device_count()} GPUs visible")
             torch.cuda.set_device(device_id)
         self.device_id = device_id
-        threads = os.environ.get("PERSIA_TORCH_THREADS")
-        if threads:
-            set_torch_threads(int(threads))
+        # the NN worker's TrainCtx measures the counts when tune_torch_threads (``auto``)
+        self.tune_torch_threads = False
+        setting = os.environ.get("PERSIA_TORCH_THREADS")
+        if setting:
+            threads, self.tune_torch_threads = torch_threads_setting(
+                setting, _available_cores(), int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+            set_torch_threads(threads)
 
     @functools.cached_property
     def device(self):

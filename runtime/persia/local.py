@@ -8,6 +8,7 @@ it is tested without starting anything.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
@@ -55,7 +56,9 @@ def add_local_parser(sub) -> None:
                    help="use this NATS server instead of starting one (a shared server, or a proxy in front of "
                         "one); its credentials come from this process's PERSIA_NATS_* environment")
     p.add_argument("--cores", type=int, default=None, help="cores to budget threads for (default: all)")
-    p.add_argument("--nn-threads", type=int, default=None, help="torch threads per NN worker (default: budgeted)")
+    p.add_argument("--nn-threads", type=_nn_threads_arg, default=None,
+                   help="torch threads per NN worker (default 'auto': start with its share of the cores, measure "
+                        "the counts in training and keep the fastest)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--result-file", default=None, help="write the trainer's PERSIA_RESULT JSON here")
     p.add_argument("--max-restarts", type=int, default=int(os.environ.get("PERSIA_MAX_RESTARTS", "3")),
@@ -66,16 +69,31 @@ def add_local_parser(sub) -> None:
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every role")
 
 
-def thread_budget(cores: int, nn_procs: int) -> int:
-    """Torch threads per NN worker: the cores left after reserving some for the other roles.
+def _nn_threads_arg(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nn-threads must be a count or 'auto', got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--nn-threads must be >= 1, got {value}")
+    return value
 
-    The PS, embedding workers and data loaders run concurrently with the NN (the pipeline overlaps
-    them), and OpenMP threads that lose their core to another process spin instead of working:
-    on 2 cores the adult-income example trained at 13.5k samples/s with 1 NN thread and at 2k with
-    2. So a quarter of the cores (at least one) is kept for the other roles.
+
+def nn_thread_env(nn_threads: int | str | None, cores: int, nn_procs: int) -> dict[str, str]:
+    """The NN worker's torch threads: a fixed count, or (the default, ``auto``) its share of the
+    cores to start with, and the count that trains fastest kept (``persia.nn_worker.thread_tuning``).
+
+    Every role gets ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that spin while they wait take the
+    core another role needs (on 2 cores a spinning 2-thread NN worker trained the adult-income
+    example at 2k samples/s against 13.5k with one thread). Passive waiting has its own price where
+    waking a thread on another core is slow, which is why the count is measured, not guessed.
     """
-    reserved = max(1, cores // 4) if cores > 1 else 0
-    return max(1, (cores - reserved) // max(1, nn_procs))
+    if nn_threads is None or nn_threads == "auto":
+        share = max(1, cores // max(1, nn_procs))
+        return {"PERSIA_TORCH_THREADS": f"auto:{share}", "OMP_NUM_THREADS": str(share)}
+    return {"PERSIA_TORCH_THREADS": str(nn_threads), "OMP_NUM_THREADS": str(nn_threads)}
 
 
 def _loopback_gloo() -> dict[str, str]:
@@ -96,7 +114,7 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
         if path is not None and not os.path.exists(path):
             raise FileNotFoundError(f"--{flag.replace('_', '-')} {path!r} does not exist")
     cores = args.cores or os.cpu_count() or 1
-    nn_threads = args.nn_threads or thread_budget(cores, args.nproc_per_node)
+    nn_env = nn_thread_env(args.nn_threads, cores, args.nproc_per_node)
     common = dict(base_env or {})
     common.update(
         PERSIA_JOB_NAME=args.job_name,
@@ -128,7 +146,7 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     procs.append(RoleProcess("nn", "nn", launcher + [
         "nn-worker", os.path.abspath(args.nn_worker), "--nproc-per-node", str(args.nproc_per_node),
         "--nnodes", "1", "--node-rank", "0"],
-        dict(common, PERSIA_TORCH_THREADS=str(nn_threads), OMP_NUM_THREADS=str(nn_threads))))
+        dict(common, **nn_env)))
     for i in range(args.num_data_loaders):
         procs.append(RoleProcess(f"dl-{i}", "dl", launcher + [
             "data-loader", os.path.abspath(args.data_loader), "--replica-index", str(i),

@@ -46,7 +46,7 @@ def test_with_torch_loaded_first_the_context_sets_its_threads():
 
 def test_a_bad_thread_count_is_refused_by_name():
     got = _run("from persia.context import BaseCtx; BaseCtx()", PERSIA_TORCH_THREADS="0")
-    assert got.returncode != 0 and "PERSIA_TORCH_THREADS must be >= 1, got 0" in got.stderr
+    assert got.returncode != 0 and "PERSIA_TORCH_THREADS must be >= 1, got '0'" in got.stderr
 
 
 def test_every_name_persia_ctx_exports_resolves():
@@ -58,3 +58,29 @@ def test_every_name_persia_ctx_exports_resolves():
     assert ctx.TrainCtx is TrainCtx and "TrainCtx" in dir(ctx)
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         ctx.Nope  # noqa: B018
+
+
+def test_torch_threads_setting_parses_a_count_or_auto():
+    from persia.context import torch_threads_setting
+    from persia.errors import PersiaValidationError
+
+    assert torch_threads_setting("3", cores=2, local_procs=1) == (3, False)
+    assert torch_threads_setting("auto", cores=2, local_procs=1) == (2, True)
+    assert torch_threads_setting(" Auto ", cores=16, local_procs=4) == (4, True)
+    assert torch_threads_setting("auto", cores=2, local_procs=4) == (1, True)
+    assert torch_threads_setting("auto:3", cores=2, local_procs=1) == (3, True)
+    for bad, msg in (("two", "a count, 'auto' or 'auto:<count>', got 'two'"), ("auto:x", "got 'auto:x'"),
+                     ("auto:0", ">= 1, got 'auto:0'"), ("-1", ">= 1, got '-1'")):
+        with pytest.raises(PersiaValidationError, match=msg):
+            torch_threads_setting(bad, cores=2, local_procs=1)
+
+
+def test_auto_threads_start_at_this_process_share():
+    got = _run("""
+        import torch
+        from persia.context import BaseCtx
+        ctx = BaseCtx()
+        print(torch.get_num_threads(), ctx.tune_torch_threads)
+    """, PERSIA_TORCH_THREADS="auto", LOCAL_WORLD_SIZE="1")
+    import os
+    assert got.returncode == 0 and got.stdout.split() == [str(len(os.sched_getaffinity(0))), "True"], got.stderr[-2000:]

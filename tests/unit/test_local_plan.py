@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from persia.local import plan, thread_budget
+from persia.local import nn_thread_env, plan
 
 
 def args(tmp_path, **kw):
@@ -29,13 +29,11 @@ def test_plan_starts_every_role_with_its_replica_env(tmp_path):
     assert dl1.argv[dl1.argv.index("--replica-size") + 1] == "2"
 
 
-def test_thread_budget_never_oversubscribes():
-    assert thread_budget(1, 1) == 1
-    assert thread_budget(2, 1) == 1  # one core stays free for the PS, workers and loaders
-    assert thread_budget(2, 2) == 1
-    assert thread_budget(2, 4) == 1
-    assert thread_budget(16, 1) == 12
-    assert thread_budget(16, 4) == 3
+def test_nn_threads_default_to_measuring_from_the_share_of_the_cores():
+    assert nn_thread_env(None, cores=2, nn_procs=1) == {"PERSIA_TORCH_THREADS": "auto:2", "OMP_NUM_THREADS": "2"}
+    assert nn_thread_env("auto", cores=16, nn_procs=4) == {"PERSIA_TORCH_THREADS": "auto:4", "OMP_NUM_THREADS": "4"}
+    assert nn_thread_env(None, cores=2, nn_procs=4)["PERSIA_TORCH_THREADS"] == "auto:1"  # never 0
+    assert nn_thread_env(3, cores=2, nn_procs=1) == {"PERSIA_TORCH_THREADS": "3", "OMP_NUM_THREADS": "3"}
 
 
 def test_plan_rejects_bad_counts_and_missing_files(tmp_path):
@@ -59,3 +57,21 @@ def test_colocated_ps_runs_inside_each_embedding_worker(tmp_path):
 def test_colocated_ps_needs_one_replica_per_embedding_worker(tmp_path):
     with pytest.raises(ValueError, match=r"--num-ps \(2\) must equal --num-embedding-workers \(3\)"):
         plan(args(tmp_path, num_ps=2, num_embedding_workers=3, colocate_ps=True))
+
+
+def test_the_nn_worker_gets_its_thread_setting_and_the_others_one_thread(tmp_path):
+    roles = {r.name: r for r in plan(args(tmp_path, cores=2, nn_threads=None), python="py")}
+    assert roles["nn"].env["PERSIA_TORCH_THREADS"] == "auto:2" and roles["nn"].env["OMP_NUM_THREADS"] == "2"
+    assert roles["dl-0"].env["PERSIA_TORCH_THREADS"] == "1" and roles["ps-0"].env["OMP_NUM_THREADS"] == "1"
+    assert all(r.env["OMP_WAIT_POLICY"] == "PASSIVE" for r in roles.values())
+    nn = next(r for r in plan(args(tmp_path, nn_threads=2), python="py") if r.name == "nn")
+    assert nn.env["PERSIA_TORCH_THREADS"] == "2"
+
+
+def test_nn_threads_argument_takes_a_count_or_auto():
+    from persia.local import _nn_threads_arg
+
+    assert _nn_threads_arg("auto") == "auto" and _nn_threads_arg("AUTO") == "auto" and _nn_threads_arg("3") == 3
+    for bad, msg in (("0", "must be >= 1, got 0"), ("many", "a count or 'auto', got 'many'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            _nn_threads_arg(bad)

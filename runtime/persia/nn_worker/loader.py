@@ -113,6 +113,8 @@ class _LoaderIterator:
             else None
         )
         ctx._attach_permits(self._permits)
+        if train and loader.reproducible and getattr(ctx, "_thread_tuner", None) is not None:
+            ctx._thread_tuner.hold("reproducible mode")
         # Just-in-time lookups for training streams; eval/infer datasets prefetch freely.
         self._lookahead = Lookahead(loader.forward_buffer_size) if (train and self.streaming) else None
         # Batches per lookup call. Reproducible mode releases batches in id order, so a batch

@@ -31,6 +31,7 @@ from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker import embedding_tensors
 from persia.nn_worker.own_updates import OwnUpdates, replay_setting
 from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS
+from persia.nn_worker.thread_tuning import ThreadTuner, TuningPlan, candidates_for
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
@@ -107,6 +108,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
         self._control_group = None
+        self._thread_tuner: ThreadTuner | None = None
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
@@ -125,7 +127,24 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._install_sigterm()
         self.metrics = Metrics("nn_worker", self.rank)
         attach_metrics(self.metrics)
+        self._thread_tuner = self._make_thread_tuner()
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
+
+    def _make_thread_tuner(self) -> ThreadTuner | None:
+        """``PERSIA_TORCH_THREADS=auto`` on CPU: measure which torch thread count trains fastest."""
+        if not self.tune_torch_threads or self.device.type != "cpu":
+            return None
+        agree = None
+        if self.world_size > 1 and self._control_group is not None:
+            group = self._control_group
+
+            def agree(values: list[float]) -> list[float]:
+                t = torch.tensor(values, dtype=torch.float64)
+                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+                return t.tolist()
+
+        plan = TuningPlan(candidates_for(torch.get_num_threads()))
+        return ThreadTuner(plan, torch.set_num_threads, time.perf_counter, agree=agree, log=log.info) if plan.tunes else None
 
     def _info(self, _req) -> dict:
         """``nn.info``: what a data loader needs, including where to resume its stream."""
@@ -230,6 +249,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             scaled = self._backward_step(loss, embedding_gradient_check_frequency)
         finally:
             self._in_backward = False
+        if self._thread_tuner is not None:
+            self._thread_tuner.step_done()
         self._after_step()
         return scaled
 

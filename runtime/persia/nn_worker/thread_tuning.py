@@ -1,0 +1,188 @@
+"""Pure: choosing the NN worker's torch thread count by measuring training (``--nn-threads auto``).
+
+More intra-op threads are not always faster. Every parallel region of a step ends in a barrier;
+with ``OMP_WAIT_POLICY=PASSIVE`` (what lets the other roles share the cores) each barrier puts a
+thread to sleep and the next region wakes it, and on some machines a wake-up across cores costs
+100+ µs: a small dense model (MLP 400, batch 256: ~90 regions per step) then steps faster on one
+thread than on two, while a large one (FFNN 4096-...: a few long GEMMs) steps 1.6x faster on two.
+Which holds depends on the model, the batch and the machine, so the NN worker measures it.
+
+The measurement runs inside training: after ``start_step`` steps, blocks of ``block_steps`` steps
+run at each candidate count in mirrored order (A B B A ...), so a steady drift of the step time
+(the staleness ramp, a neighbour's load) weighs on every candidate alike; each block's time per
+step is a sample, and the candidate with the lowest median wins. A smaller count wins ties within
+``tie_margin``: it leaves CPU to the other roles.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TuningPlan:
+    """What to measure. ``candidates[0]`` is the count training starts and calibrates with."""
+
+    candidates: tuple[int, ...]
+    start_step: int = 10  # first steps allocate, build caches and run the synchronous warm-up
+    calibration_steps: int = 5
+    min_block_s: float = 0.3  # a block long enough that one slow step does not decide it
+    min_block_steps: int = 3
+    rounds: int = 2  # each candidate runs 2 * rounds blocks
+    tie_margin: float = 0.03
+    # after a round, stop early when one count won every block by this much: a short run of a
+    # large model should not spend a second round on a count 35% slower
+    decisive_margin: float = 0.15
+
+    def __post_init__(self):
+        if not self.candidates or any(c < 1 for c in self.candidates):
+            raise ValueError(f"thread candidates must be >= 1, got {self.candidates}")
+        if len(set(self.candidates)) != len(self.candidates):
+            raise ValueError(f"thread candidates must be distinct, got {self.candidates}")
+
+    @property
+    def tunes(self) -> bool:
+        return len(self.candidates) > 1
+
+
+def candidates_for(max_threads: int) -> tuple[int, ...]:
+    """The counts worth comparing up to ``max_threads`` (the start first): all of it, half of it,
+    one thread. Counts in between rarely win by more than the measurement's noise."""
+    if max_threads < 1:
+        raise ValueError(f"max threads must be >= 1, got {max_threads}")
+    out: list[int] = []
+    for c in (max_threads, max_threads // 2, 1):
+        if c >= 1 and c not in out:
+            out.append(c)
+    return tuple(out)
+
+
+def block_steps(step_s: float, plan: TuningPlan) -> int:
+    """Steps per block: at least ``min_block_steps`` and ``min_block_s`` of training."""
+    if step_s <= 0 or not math.isfinite(step_s):
+        return plan.min_block_steps
+    return max(plan.min_block_steps, math.ceil(plan.min_block_s / step_s))
+
+
+def block_order(plan: TuningPlan) -> list[int]:
+    """Candidate per block, mirrored: A B C C B A, ``rounds`` times."""
+    forward = list(plan.candidates)
+    return (forward + forward[::-1]) * plan.rounds
+
+
+def choose(samples: dict[int, list[float]], plan: TuningPlan) -> int:
+    """The count with the lowest median seconds per step; a smaller count within ``tie_margin`` of
+    the best is preferred."""
+    medians = {c: statistics.median(v) for c, v in samples.items() if v}
+    if not medians:
+        return plan.candidates[0]
+    best = min(medians.values())
+    return min(c for c, m in medians.items() if m <= best * (1 + plan.tie_margin))
+
+
+def decisive(samples: dict[int, list[float]], plan: TuningPlan) -> bool:
+    """Whether the measurement can stop: the fastest count's slowest block beat every other count's
+    fastest block, by ``decisive_margin``."""
+    if any(not v for v in samples.values()):
+        return False
+    best = min(samples, key=lambda c: statistics.median(samples[c]))
+    worst_of_best = max(samples[best])
+    return all(min(v) >= worst_of_best * (1 + plan.decisive_margin) for c, v in samples.items() if c != best)
+
+
+def describe(samples: dict[int, list[float]], chosen: int) -> str:
+    """The log line's figures: each candidate's median ms per step and block count."""
+    parts = []
+    for c in sorted(samples):
+        v = samples[c]
+        if v:
+            parts.append(f"{c} thread{'s' if c > 1 else ''} {1000 * statistics.median(v):.1f} ms/step ({len(v)} blocks)")
+    return f"torch threads: {chosen} (median step time: {', '.join(parts)})"
+
+
+class ThreadTuner:
+    """Runs a ``TuningPlan`` along training: ``step_done()`` after every step.
+
+    ``set_threads`` applies a count (``torch.set_num_threads``); ``clock`` gives seconds. With
+    several ranks ``agree(values)`` returns the element-wise maximum over ranks (an all-reduce),
+    so every rank runs the same blocks and takes the same count: their steps wait for each other.
+    """
+
+    def __init__(self, plan: TuningPlan, set_threads, clock, agree=None, log=None):
+        self.plan = plan
+        self._set = set_threads
+        self._clock = clock
+        self._agree = agree
+        self._log = log
+        self.steps = 0
+        self.samples: dict[int, list[float]] = {c: [] for c in plan.candidates}
+        self.chosen: int | None = None if plan.tunes else plan.candidates[0]
+        self.block: int | None = None
+        self._order = block_order(plan)
+        self._index = -1  # the block running; -1 before measuring
+        self._mark = 0.0  # when calibration or the running block started
+        self._mark_step = 0
+
+    @property
+    def measuring(self) -> bool:
+        return self.chosen is None
+
+    def step_done(self) -> None:
+        if self.chosen is not None:
+            return
+        self.steps += 1
+        p = self.plan
+        if self.steps < p.start_step:
+            return
+        now = self._clock()
+        if self.steps == p.start_step:
+            self._mark, self._mark_step = now, self.steps
+            return
+        if self._index < 0:
+            if self.steps - self._mark_step < p.calibration_steps:
+                return
+            step_s = (now - self._mark) / (self.steps - self._mark_step)
+            self.block = int(self._agreed([block_steps(step_s, p)])[0])
+            self._begin(0, now)
+            return
+        if self.steps - self._mark_step < self.block:
+            return
+        self.samples[self._order[self._index]].append((now - self._mark) / (self.steps - self._mark_step))
+        done = self._index + 1
+        round_done = done % (2 * len(self.plan.candidates)) == 0
+        if done < len(self._order) and not (round_done and self._all_decisive()):
+            self._begin(done, now)
+            return
+        self._decide()
+
+    def hold(self, reason: str) -> None:
+        """Stop measuring and keep the count training started with (a reproducible stream: the
+        thread count changes how torch sums, and a timing-driven choice would differ per run)."""
+        if self.chosen is not None:
+            return
+        self.chosen = self.plan.candidates[0]
+        self._set(self.chosen)
+        if self._log is not None:
+            self._log(f"torch threads: {self.chosen}, not measured ({reason})")
+
+    def _begin(self, index: int, now: float) -> None:
+        self._index, self._mark, self._mark_step = index, now, self.steps
+        self._set(self._order[index])
+
+    def _decide(self) -> None:
+        cands = self.plan.candidates
+        medians = self._agreed([statistics.median(self.samples[c]) for c in cands])
+        # the agreed medians decide, so every rank picks the same count
+        self.chosen = choose({c: [m] for c, m in zip(cands, medians)}, self.plan)
+        self._set(self.chosen)
+        if self._log is not None:
+            self._log(describe(self.samples, self.chosen))
+
+    def _all_decisive(self) -> bool:
+        """Decisive on every rank (the maximum of 0 where decisive, 1 where not)."""
+        return self._agreed([0.0 if decisive(self.samples, self.plan) else 1.0])[0] == 0.0
+
+    def _agreed(self, values: list[float]) -> list[float]:
+        return list(values) if self._agree is None else [float(v) for v in self._agree(list(values))]

@@ -1,0 +1,158 @@
+"""The NN worker's thread-count tuning: the pure decisions and the tuner on a simulated clock."""
+
+import pytest
+
+from persia.nn_worker.thread_tuning import (
+    ThreadTuner,
+    TuningPlan,
+    block_order,
+    block_steps,
+    candidates_for,
+    choose,
+    decisive,
+    describe,
+)
+
+
+def test_candidates_all_half_one():
+    assert candidates_for(1) == (1,)
+    assert candidates_for(2) == (2, 1)
+    assert candidates_for(3) == (3, 1)
+    assert candidates_for(8) == (8, 4, 1)
+    with pytest.raises(ValueError, match="max threads must be >= 1, got 0"):
+        candidates_for(0)
+
+
+@pytest.mark.parametrize("bad", [(), (0, 1), (2, 2)])
+def test_plan_refuses_bad_candidates(bad):
+    with pytest.raises(ValueError, match="thread candidates"):
+        TuningPlan(candidates=bad)
+
+
+def test_block_order_is_mirrored():
+    assert block_order(TuningPlan((2, 1), rounds=2)) == [2, 1, 1, 2, 2, 1, 1, 2]
+    assert block_order(TuningPlan((8, 4, 1), rounds=1)) == [8, 4, 1, 1, 4, 8]
+
+
+def test_block_steps_cover_the_minimum_time():
+    plan = TuningPlan((2, 1), min_block_s=0.3, min_block_steps=3)
+    assert block_steps(0.02, plan) == 15
+    assert block_steps(0.2, plan) == 3
+    assert block_steps(0.0, plan) == 3
+    assert block_steps(float("nan"), plan) == 3
+
+
+def test_choose_prefers_fewer_threads_within_the_margin():
+    plan = TuningPlan((2, 1), tie_margin=0.03)
+    assert choose({2: [0.020, 0.021], 1: [0.0205, 0.0206]}, plan) == 1  # within 3%
+    assert choose({2: [0.010, 0.010], 1: [0.016, 0.016]}, plan) == 2
+    assert choose({2: [], 1: []}, plan) == 2  # nothing measured: stay where training started
+    assert describe({2: [0.010], 1: [0.016, 0.018]}, 2) == (
+        "torch threads: 2 (median step time: 1 thread 17.0 ms/step (2 blocks), 2 threads 10.0 ms/step (1 blocks))")
+
+
+class Sim:
+    """A training loop whose step time depends on the thread count (and optionally drifts)."""
+
+    def __init__(self, per_threads: dict[int, float], drift_per_step: float = 0.0, start: int = 2):
+        self.per_threads, self.drift = per_threads, drift_per_step
+        self.threads, self.now, self.step = start, 0.0, 0
+        self.applied: list[int] = []
+
+    def set_threads(self, n: int) -> None:
+        self.threads = n
+        self.applied.append(n)
+
+    def run(self, tuner: ThreadTuner, steps: int) -> None:
+        for _ in range(steps):
+            self.now += self.per_threads[self.threads] + self.drift * self.step
+            self.step += 1
+            tuner.step_done()
+
+
+def _tuner(sim: Sim, plan: TuningPlan, **kw) -> ThreadTuner:
+    return ThreadTuner(plan, sim.set_threads, lambda: sim.now, **kw)
+
+
+def test_tuner_picks_one_thread_where_it_steps_faster():
+    sim = Sim({2: 0.021, 1: 0.019})  # 10% apart: not decisive after one round, so two rounds
+    lines = []
+    plan = TuningPlan((2, 1), start_step=10, calibration_steps=5, min_block_s=0.3, rounds=2)
+    tuner = _tuner(sim, plan, log=lines.append)
+    sim.run(tuner, 14)
+    assert tuner.measuring and sim.applied == []  # nothing changes before calibration ends
+    sim.run(tuner, 1)
+    assert tuner.block == 15  # 0.3 s of 21 ms steps
+    sim.run(tuner, 8 * 15)
+    assert not tuner.measuring and tuner.chosen == 1
+    assert sim.applied == [2, 1, 1, 2, 2, 1, 1, 2, 1]  # the blocks, then the choice
+    assert tuner.samples[1] == pytest.approx([0.019] * 4) and tuner.samples[2] == pytest.approx([0.021] * 4)
+    assert lines == ["torch threads: 1 (median step time: 1 thread 19.0 ms/step (4 blocks), "
+                     "2 threads 21.0 ms/step (4 blocks))"]
+    sim.run(tuner, 50)
+    assert sim.applied[-1] == 1 and len(sim.applied) == 9  # decided once
+
+
+def test_tuner_keeps_two_threads_for_a_large_model_after_one_decisive_round():
+    sim = Sim({2: 0.180, 1: 0.290})
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=3, calibration_steps=2, rounds=3))
+    sim.run(tuner, 3 + 2 + 4 * 3)
+    assert tuner.block == 3 and tuner.chosen == 2
+    assert sim.applied == [2, 1, 1, 2, 2]  # one round of four blocks, not three rounds
+
+
+def test_decisive_needs_every_block_of_the_winner_ahead_by_the_margin():
+    plan = TuningPlan((2, 1), decisive_margin=0.15)
+    assert decisive({2: [0.180, 0.185], 1: [0.290, 0.300]}, plan)
+    assert not decisive({2: [0.180, 0.260], 1: [0.290, 0.300]}, plan)  # one slow block of the winner
+    assert not decisive({2: [0.019, 0.019], 1: [0.021, 0.021]}, plan)  # 10% apart
+    assert not decisive({2: [0.180], 1: []}, plan)
+
+
+def test_mirrored_blocks_cancel_a_steady_drift():
+    """Equal counts under a step time that grows every step: mirrored order measures them alike
+    (a tie, so the smaller count); in A B A B order the later blocks would look slower."""
+    sim = Sim({2: 0.020, 1: 0.020}, drift_per_step=0.0005)
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=1, calibration_steps=1, min_block_s=0.1, rounds=2,
+                                   tie_margin=1e-9))
+    sim.run(tuner, 2 + 8 * 5)
+    assert tuner.chosen == 1
+    m1, m2 = (sorted(tuner.samples[c]) for c in (1, 2))
+    assert (m1[1] + m1[2]) == pytest.approx(m2[1] + m2[2])
+
+
+def test_ranks_agree_on_blocks_and_choice():
+    """``agree`` is the all-reduce (max): the other rank's slower calibration sets the block, and
+    its medians (2 threads faster there) decide for both."""
+    sim = Sim({2: 0.021, 1: 0.018})
+    calls = []
+
+    def agree(values):
+        calls.append(list(values))
+        other = [20] if len(calls) == 1 else [0.015, 0.030]  # block; medians for (2, 1)
+        return [max(a, b) for a, b in zip(values, other)]
+
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=1, calibration_steps=1, min_block_s=0.1, rounds=1), agree=agree)
+    sim.run(tuner, 2 + 4 * 20)
+    assert tuner.block == 20 and tuner.chosen == 2 and sim.applied[-1] == 2
+
+
+def test_one_candidate_never_measures():
+    sim = Sim({1: 0.01}, start=1)
+    tuner = _tuner(sim, TuningPlan((1,)))
+    sim.run(tuner, 100)
+    assert tuner.chosen == 1 and sim.applied == []
+
+
+def test_hold_keeps_the_start_count_and_ends_the_measurement():
+    sim = Sim({2: 0.021, 1: 0.019})
+    lines = []
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=1, calibration_steps=1, min_block_s=0.0, min_block_steps=1),
+                   log=lines.append)
+    sim.run(tuner, 4)  # measuring: the second block (1 thread) is running
+    assert tuner.measuring and sim.threads == 1
+    tuner.hold("reproducible mode")
+    assert tuner.chosen == 2 and sim.threads == 2 and lines == ["torch threads: 2, not measured (reproducible mode)"]
+    sim.run(tuner, 50)
+    tuner.hold("again")
+    assert sim.applied[-1] == 2 and len(lines) == 1
