@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo serve-demo test test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc crds chart lint images images-check images-lock e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-scenarios test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc crds chart lint images images-check images-lock e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -34,12 +34,19 @@ serve-demo: $(STAMP)
 # parts (harness units, kubectl against the stand-in cluster) run here; the scenarios skip.
 # tests/serving/test_online.py runs in a pytest of its own: inside the whole suite one role's
 # metrics port stays silent (passes alone, every time); a leak between tests, still to be found.
+# The longest scenarios (45 s or more each on 2 cores: the bench smoke run, the kill-and-resume
+# jobs) are marked `scenario` and run in `make test-scenarios`, so `make test` stays under 15
+# minutes on a slow 2-core machine; CI (.ci/run) runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/serving/test_online.py
+	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario" --ignore=tests/serving/test_online.py
 	$(PY) -m pytest -q -p no:cacheprovider tests/serving/test_online.py
 	$(PY) -m pytest -q -p no:cacheprovider e2e/tests
 
-## Fault injection alone (real processes, real signals); also part of `make test`.
+## The long whole-job scenarios `make test` leaves out (about 8 minutes on 2 cores).
+test-scenarios: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m scenario
+
+## Fault injection alone (real processes, real signals); all of it also in `make test` + `make test-scenarios`.
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m faults
 

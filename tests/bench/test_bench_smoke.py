@@ -17,6 +17,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.scenario  # about 160 s on 2 cores
 def test_bench_smoke_writes_report_plots_and_headline(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.e2e_bench", "--profile", "smoke", "--output-root", str(tmp_path)],

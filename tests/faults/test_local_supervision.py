@@ -33,6 +33,7 @@ def test_nats_server_killed_is_restarted_and_training_completes():
     assert "Traceback" not in run.text
 
 
+@pytest.mark.scenario  # about 45 s each on 2 cores
 @pytest.mark.parametrize("server", ["ps-0", "ew-0", "ew-ps-0"])
 def test_a_server_killed_restarts_the_job(server):
     # a PS's embeddings, an embedding worker's buffered batches die with it: the whole job restarts

@@ -42,6 +42,7 @@ def undisturbed_auc(tmp_path_factory) -> float:
     return res["auc"]
 
 
+@pytest.mark.scenario  # about 110 s on 2 cores
 def test_ps_then_data_loader_then_nn_rank_killed_job_resumes_each_time(tmp_path, undisturbed_auc):
     """One job, three faults (one per role kind, each after a new checkpoint is published, so
     every restart has a newer one to resume from): three restarts (the default --max-restarts),

@@ -24,7 +24,8 @@ import pytest
 
 from tests.faults.localjob import LocalRun, children_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults]
+# the module's killed two-rank run takes about 90 s on 2 cores: make test-scenarios
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.faults, pytest.mark.scenario]
 
 STREAM = 255
 PER_RANK = {0: 128, 1: 127}  # the loader's batches per NN rank (batch id % 2)
