@@ -102,3 +102,57 @@ def test_a_fixed_count_is_not_measured(persia_env, monkeypatch):
                 assert ctx._thread_tuner is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads_before)
+
+
+_RANK_SCRIPT = r"""
+import json, os, sys
+import torch
+import torch.distributed as dist
+from persia.nn_worker.thread_tuning import ThreadTuner, TuningPlan
+from persia.nn_worker.train_ctx import max_over_ranks
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", rank=rank, world_size=2)
+# simulated step times per count: alone, rank 0 would keep 1 thread and take 15-step blocks
+per_threads = {0: {2: 0.021, 1: 0.019}, 1: {2: 0.010, 1: 0.030}}[rank]
+state = {"threads": 2, "now": 0.0, "applied": []}
+
+def set_threads(n):
+    state["threads"] = n
+    state["applied"].append(n)
+
+tuner = ThreadTuner(TuningPlan((2, 1), start_step=2, calibration_steps=2, rounds=1), set_threads,
+                    lambda: state["now"], agree=max_over_ranks(None))
+while tuner.measuring:
+    state["now"] += per_threads[state["threads"]]
+    tuner.step_done()
+print(json.dumps({"block": tuner.block, "chosen": tuner.chosen, "applied": state["applied"], "steps": tuner.steps}))
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_measure_the_same_blocks_and_keep_the_same_count(tmp_path):
+    """Two real processes joined by gloo: the all-reduce gives both the slower calibration's block
+    length and the same choice, although alone one of them would have chosen the other count."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from persia.utils import find_free_port
+
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port(host="127.0.0.1")),
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    script = tmp_path / "rank.py"
+    script.write_text(_RANK_SCRIPT)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0] == outs[1]
+    assert outs[0]["block"] == 30  # rank 1's 10 ms steps: 0.3 s takes 30 of them
+    assert outs[0]["chosen"] == 2 and outs[0]["applied"] == [2, 1, 1, 2, 2]
+    assert outs[0]["steps"] == 2 + 2 + 4 * 30

@@ -134,15 +134,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         """``PERSIA_TORCH_THREADS=auto`` on CPU: measure which torch thread count trains fastest."""
         if not self.tune_torch_threads or self.device.type != "cpu":
             return None
-        agree = None
-        if self.world_size > 1 and self._control_group is not None:
-            group = self._control_group
-
-            def agree(values: list[float]) -> list[float]:
-                t = torch.tensor(values, dtype=torch.float64)
-                torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-                return t.tolist()
-
+        agree = max_over_ranks(self._control_group) if self.world_size > 1 and self._control_group is not None else None
         plan = TuningPlan(candidates_for(torch.get_num_threads()))
         return ThreadTuner(plan, torch.set_num_threads, time.perf_counter, agree=agree, log=log.info) if plan.tunes else None
 
@@ -624,6 +616,17 @@ def _with_replay(resp: dict, replay: dict | None) -> dict:
         for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
             table["signs"] = extra["signs"]
     return resp
+
+
+def max_over_ranks(group):
+    """The element-wise maximum of a list of floats over the ranks of ``group`` (an all-reduce)."""
+
+    def agree(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+        return t.tolist()
+
+    return agree
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
