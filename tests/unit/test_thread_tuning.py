@@ -156,3 +156,38 @@ def test_hold_keeps_the_start_count_and_ends_the_measurement():
     sim.run(tuner, 50)
     tuner.hold("again")
     assert sim.applied[-1] == 2 and len(lines) == 1
+
+
+def test_a_long_run_measures_again_from_the_count_chosen_last():
+    """The machine changes mid-run (two threads become the faster): the next measurement, which
+    starts and calibrates at the count chosen last, follows it."""
+    sim = Sim({2: 0.021, 1: 0.015})
+    lines = []
+    plan = TuningPlan((2, 1), start_step=2, calibration_steps=2, min_block_s=0.0, min_block_steps=2, rounds=1,
+                      remeasure_steps=100)
+    tuner = _tuner(sim, plan, log=lines.append)
+    sim.run(tuner, 2 + 2 + 4 * 2)
+    assert tuner.chosen == 1 and tuner.measurements == 1 and sim.applied == [2, 1, 1, 2, 1]
+    sim.per_threads = {2: 0.010, 1: 0.015}
+    sim.run(tuner, 99)
+    assert not tuner.measuring and len(sim.applied) == 5  # not yet: 100 steps after the choice
+    sim.run(tuner, 1)
+    assert tuner.measuring and tuner.plan.candidates == (1, 2) and sim.threads == 1  # calibrates at 1
+    sim.run(tuner, 2 + 4 * 2)
+    assert tuner.chosen == 2 and tuner.measurements == 2
+    assert sim.applied[5:] == [1, 2, 2, 1, 2]
+    assert len(lines) == 2 and lines[1].startswith("torch threads: 2 ")
+
+
+def test_no_measurement_again_when_held_or_switched_off():
+    for plan_kw, hold in (({"remeasure_steps": 10}, True), ({"remeasure_steps": None}, False)):
+        sim = Sim({2: 0.021, 1: 0.015})
+        plan = TuningPlan((2, 1), start_step=1, calibration_steps=1, min_block_s=0.0, min_block_steps=1, rounds=1,
+                          **plan_kw)
+        tuner = _tuner(sim, plan)
+        sim.run(tuner, 1 + 1 + 4)
+        assert tuner.chosen == 1
+        if hold:
+            tuner.hold("reproducible mode")  # after a choice: the choice stays, and no more measuring
+        sim.run(tuner, 200)
+        assert tuner.measurements == 1 and tuner.chosen == 1 and sim.applied == [2, 1, 1, 2, 1]

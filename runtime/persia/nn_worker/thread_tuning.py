@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,9 @@ class TuningPlan:
     # after a round, stop early when one count won every block by this much: a short run of a
     # large model should not spend a second round on a count 35% slower
     decisive_margin: float = 0.15
+    # measure again this many steps after a choice (None: never); each time costs about 2% of the
+    # steps, half of them at the other count
+    remeasure_steps: int | None = 5000
 
     def __post_init__(self):
         if not self.candidates or any(c < 1 for c in self.candidates):
@@ -103,7 +106,9 @@ def describe(samples: dict[int, list[float]], chosen: int) -> str:
 
 
 class ThreadTuner:
-    """Runs a ``TuningPlan`` along training: ``step_done()`` after every step.
+    """Runs a ``TuningPlan`` along training: ``step_done()`` after every step, and again every
+    ``remeasure_steps`` steps from the count chosen last (what is fastest can change in a long run:
+    another job on the node, another phase of the data).
 
     ``set_threads`` applies a count (``torch.set_num_threads``); ``clock`` gives seconds. With
     several ranks ``agree(values)`` returns the element-wise maximum over ranks (an all-reduce),
@@ -117,11 +122,15 @@ class ThreadTuner:
         self._agree = agree
         self._log = log
         self.steps = 0
+        self.measurements = 0  # finished
         self.samples: dict[int, list[float]] = {c: [] for c in plan.candidates}
         self.chosen: int | None = None if plan.tunes else plan.candidates[0]
         self.block: int | None = None
+        self._phase = "wait" if plan.tunes else "done"  # wait, calibrate, blocks, done
+        self._held = False
+        self._decided_at = 0
         self._order = block_order(plan)
-        self._index = -1  # the block running; -1 before measuring
+        self._index = 0  # the block running
         self._mark = 0.0  # when calibration or the running block started
         self._mark_step = 0
 
@@ -130,42 +139,57 @@ class ThreadTuner:
         return self.chosen is None
 
     def step_done(self) -> None:
-        if self.chosen is not None:
-            return
         self.steps += 1
         p = self.plan
-        if self.steps < p.start_step:
+        if self._phase == "done":
+            if (not self._held and p.tunes and p.remeasure_steps
+                    and self.steps - self._decided_at >= p.remeasure_steps):
+                self._measure_again()
+            return
+        if self._phase == "wait":
+            if self.steps >= p.start_step:
+                self._phase, self._mark, self._mark_step = "calibrate", self._clock(), self.steps
             return
         now = self._clock()
-        if self.steps == p.start_step:
-            self._mark, self._mark_step = now, self.steps
-            return
-        if self._index < 0:
+        if self._phase == "calibrate":
             if self.steps - self._mark_step < p.calibration_steps:
                 return
             step_s = (now - self._mark) / (self.steps - self._mark_step)
             self.block = int(self._agreed([block_steps(step_s, p)])[0])
+            self._phase = "blocks"
             self._begin(0, now)
             return
         if self.steps - self._mark_step < self.block:
             return
         self.samples[self._order[self._index]].append((now - self._mark) / (self.steps - self._mark_step))
         done = self._index + 1
-        round_done = done % (2 * len(self.plan.candidates)) == 0
+        round_done = done % (2 * len(p.candidates)) == 0
         if done < len(self._order) and not (round_done and self._all_decisive()):
             self._begin(done, now)
             return
         self._decide()
 
     def hold(self, reason: str) -> None:
-        """Stop measuring and keep the count training started with (a reproducible stream: the
-        thread count changes how torch sums, and a timing-driven choice would differ per run)."""
+        """Stop measuring, now and later, and keep the count training started with (a reproducible
+        stream: the thread count changes how torch sums, and a timing-driven choice would differ
+        per run). A count already chosen stays."""
+        self._held = True
         if self.chosen is not None:
             return
         self.chosen = self.plan.candidates[0]
+        self._phase = "done"
         self._set(self.chosen)
         if self._log is not None:
             self._log(f"torch threads: {self.chosen}, not measured ({reason})")
+
+    def _measure_again(self) -> None:
+        """A new measurement that starts (and calibrates) at the count chosen last."""
+        chosen = self.chosen
+        self.plan = replace(self.plan, candidates=(chosen, *(c for c in self.plan.candidates if c != chosen)))
+        self.samples = {c: [] for c in self.plan.candidates}
+        self._order = block_order(self.plan)
+        self.chosen = None
+        self._phase, self._mark, self._mark_step = "calibrate", self._clock(), self.steps
 
     def _begin(self, index: int, now: float) -> None:
         self._index, self._mark, self._mark_step = index, now, self.steps
@@ -176,6 +200,8 @@ class ThreadTuner:
         medians = self._agreed([statistics.median(self.samples[c]) for c in cands])
         # the agreed medians decide, so every rank picks the same count
         self.chosen = choose({c: [m] for c, m in zip(cands, medians)}, self.plan)
+        self._phase, self._decided_at = "done", self.steps
+        self.measurements += 1
         self._set(self.chosen)
         if self._log is not None:
             self._log(describe(self.samples, self.chosen))
