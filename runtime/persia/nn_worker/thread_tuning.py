@@ -1,10 +1,11 @@
-"""Pure: choosing the NN worker's torch thread count by measuring training (``--nn-threads auto``).
+"""Choosing the NN worker's torch thread count by measuring training (``--nn-threads auto``): pure
+decisions, and ``ThreadTuner``, which runs them with the clock and the thread setter it is given.
 
 More intra-op threads are not always faster. Every parallel region of a step ends in a barrier;
 with ``OMP_WAIT_POLICY=PASSIVE`` (what lets the other roles share the cores) each barrier puts a
 thread to sleep and the next region wakes it, and on some machines a wake-up across cores costs
 100+ µs: a small dense model (MLP 400, batch 256: ~90 regions per step) then steps faster on one
-thread than on two, while a large one (FFNN 4096-...: a few long GEMMs) steps 1.6x faster on two.
+thread than on two, while a large one (FFNN 4096-...: a few long GEMMs) steps 1.4x faster on two.
 Which holds depends on the model, the batch and the machine, so the NN worker measures it.
 
 The measurement runs inside training: after ``start_step`` steps, blocks of ``block_steps`` steps
