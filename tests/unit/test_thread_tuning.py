@@ -93,12 +93,28 @@ def test_tuner_picks_one_thread_where_it_steps_faster():
     assert sim.applied[-1] == 1 and len(sim.applied) == 9  # decided once
 
 
-def test_tuner_keeps_two_threads_for_a_large_model_after_one_decisive_round():
+def test_a_count_clearly_slower_in_its_first_block_is_dropped_at_once():
+    """The FFNN's case: one thread 60% slower costs one block at one thread, not a round."""
     sim = Sim({2: 0.180, 1: 0.290})
     tuner = _tuner(sim, TuningPlan((2, 1), start_step=3, calibration_steps=2, rounds=3))
-    sim.run(tuner, 3 + 2 + 4 * 3)
+    sim.run(tuner, 3 + 2 + 2 * 3)
     assert tuner.block == 3 and tuner.chosen == 2
-    assert sim.applied == [2, 1, 1, 2, 2]  # one round of four blocks, not three rounds
+    assert sim.applied == [2, 1, 2]
+
+
+def test_one_decisive_round_is_enough():
+    sim = Sim({2: 0.180, 1: 0.216})  # 20%: not clearly slower at once, decisive after a round
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=3, calibration_steps=2, rounds=3))
+    sim.run(tuner, 3 + 2 + 4 * 3)
+    assert tuner.chosen == 2 and sim.applied == [2, 1, 1, 2, 2]  # one round of four blocks, not three
+
+
+def test_only_the_start_count_is_kept_by_dropping():
+    """A faster count is never dropped, nor the start count: 1 thread 40% faster goes on measuring."""
+    sim = Sim({2: 0.280, 1: 0.200})
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=1, calibration_steps=1, rounds=1, decisive_margin=1.0))
+    sim.run(tuner, 2 + 4 * 3)
+    assert tuner.chosen == 1 and sim.applied == [2, 1, 1, 2, 1]
 
 
 def test_decisive_needs_every_block_of_the_winner_ahead_by_the_margin():
@@ -129,7 +145,12 @@ def test_ranks_agree_on_blocks_and_choice():
 
     def agree(values):
         calls.append(list(values))
-        other = [20] if len(calls) == 1 else [0.015, 0.030]  # block; medians for (2, 1)
+        if len(calls) == 1:
+            other = [20]  # the block length
+        elif len(values) == 1:
+            other = [1.0]  # a flag (count clearly slower): "not here"
+        else:
+            other = [0.015, 0.030]  # medians for (2, 1)
         return [max(a, b) for a, b in zip(values, other)]
 
     tuner = _tuner(sim, TuningPlan((2, 1), start_step=1, calibration_steps=1, min_block_s=0.1, rounds=1), agree=agree)

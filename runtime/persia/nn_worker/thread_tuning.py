@@ -36,6 +36,9 @@ class TuningPlan:
     # after a round, stop early when one count won every block by this much: a short run of a
     # large model should not spend a second round on a count 35% slower
     decisive_margin: float = 0.15
+    # a count whose first block is this much slower than the start count's first block is dropped
+    # at once: the FFNN at 1 thread (37% slower) costs 3 steps of its measurement, not 6
+    clear_loss_margin: float = 0.25
     # measure again this many steps after a choice (None: never); each time costs about 2% of the
     # steps, half of them at the other count
     remeasure_steps: int | None = 5000
@@ -129,6 +132,7 @@ class ThreadTuner:
         self.block: int | None = None
         self._phase = "wait" if plan.tunes else "done"  # wait, calibrate, blocks, done
         self._held = False
+        self._dropped: set[int] = set()  # clearly slower counts of this measurement
         self._decided_at = 0
         self._order = block_order(plan)
         self._index = 0  # the block running
@@ -162,10 +166,15 @@ class ThreadTuner:
             return
         if self.steps - self._mark_step < self.block:
             return
-        self.samples[self._order[self._index]].append((now - self._mark) / (self.steps - self._mark_step))
+        count = self._order[self._index]
+        self.samples[count].append((now - self._mark) / (self.steps - self._mark_step))
         done = self._index + 1
+        if self._clearly_slower(count):  # none of its later blocks; the start count alone left: decided
+            self._dropped.add(count)
+            self._order = self._order[:done] + [c for c in self._order[done:] if c != count]
         round_done = done % (2 * len(p.candidates)) == 0
-        if done < len(self._order) and not (round_done and self._all_decisive()):
+        alone = len(p.candidates) - len(self._dropped) == 1
+        if done < len(self._order) and not alone and not (round_done and self._all_decisive()):
             self._begin(done, now)
             return
         self._decide()
@@ -188,6 +197,7 @@ class ThreadTuner:
         chosen = self.chosen
         self.plan = replace(self.plan, candidates=(chosen, *(c for c in self.plan.candidates if c != chosen)))
         self.samples = {c: [] for c in self.plan.candidates}
+        self._dropped = set()
         self._order = block_order(self.plan)
         self.chosen = None
         self._phase, self._mark, self._mark_step = "calibrate", self._clock(), self.steps
@@ -206,6 +216,15 @@ class ThreadTuner:
         self._set(self.chosen)
         if self._log is not None:
             self._log(describe(self.samples, self.chosen))
+
+    def _clearly_slower(self, count: int) -> bool:
+        """``count``'s first block lost to the start count's first block by ``clear_loss_margin``,
+        on every rank."""
+        start = self.plan.candidates[0]
+        if count == start or len(self.samples[count]) != 1 or not self.samples[start]:
+            return False
+        slower = self.samples[count][0] >= self.samples[start][0] * (1 + self.plan.clear_loss_margin)
+        return self._agreed([0.0 if slower else 1.0])[0] == 0.0
 
     def _all_decisive(self) -> bool:
         """Decisive on every rank (the maximum of 0 where decisive, 1 where not)."""
