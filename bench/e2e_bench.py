@@ -51,7 +51,7 @@ class SystemPlan:
     replay: bool = True  # our system only: False reads stale embeddings, as PERSIA does
 
 
-LAUNCHER_BUDGET = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's default
+LAUNCHER_DEFAULT = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's default
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ PROFILES: dict[str, Profile] = {
 def _nn_threads(s: SystemPlan, profile: Profile) -> int | None:
     if not s.system.startswith("persia"):
         return None
-    if s.nn_threads == LAUNCHER_BUDGET:
+    if s.nn_threads == LAUNCHER_DEFAULT:
         return None
     return s.nn_threads or profile.persia_nn_threads
 

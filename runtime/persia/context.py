@@ -50,7 +50,7 @@ def set_torch_threads(threads: int) -> None:
     os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
 
 
-def torch_threads_setting(value: str, cores: int, local_procs: int) -> tuple[int, bool]:
+def torch_threads_setting(value: str, cores: int, local_procs: int, name: str = "PERSIA_TORCH_THREADS") -> tuple[int, bool]:
     """``PERSIA_TORCH_THREADS``: a count; ``auto``: start with this process's share of the cores and
     let the NN worker measure which count trains fastest (``persia.nn_worker.thread_tuning``);
     ``auto:N``: the same from N. Returns (threads to start with, whether to measure)."""
@@ -62,9 +62,9 @@ def torch_threads_setting(value: str, cores: int, local_procs: int) -> tuple[int
         threads = int(text[len("auto:"):] if measure else text)
     except ValueError:
         raise PersiaValidationError(
-            f"PERSIA_TORCH_THREADS must be a count, 'auto' or 'auto:<count>', got {value!r}") from None
+            f"{name} must be a count, 'auto' or 'auto:<count>', got {value!r}") from None
     if threads < 1:
-        raise PersiaValidationError(f"PERSIA_TORCH_THREADS must be >= 1, got {value!r}")
+        raise PersiaValidationError(f"{name} must be >= 1, got {value!r}")
     return threads, measure
 
 

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from persia.context import torch_threads_setting
+from persia.errors import PersiaValidationError
 from persia.procs import spawn, stop_in_order
 from persia.supervisor import Action, decide, describe_exit
 from persia.utils import RESULT_PREFIX
@@ -70,15 +72,12 @@ def add_local_parser(sub) -> None:
 
 
 def _nn_threads_arg(text: str) -> int | str:
-    if text.strip().lower() == "auto":
-        return "auto"
+    """A count, or ``auto`` / ``auto:N`` as given (``PERSIA_TORCH_THREADS``'s own parser checks it)."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--nn-threads must be a count or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--nn-threads must be >= 1, got {value}")
-    return value
+        threads, measure = torch_threads_setting(text, cores=1, local_procs=1, name="--nn-threads")
+    except PersiaValidationError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip().lower() if measure else threads
 
 
 def nn_thread_env(nn_threads: int | str | None, cores: int, nn_procs: int) -> dict[str, str]:
@@ -93,6 +92,9 @@ def nn_thread_env(nn_threads: int | str | None, cores: int, nn_procs: int) -> di
     if nn_threads is None or nn_threads == "auto":
         share = max(1, cores // max(1, nn_procs))
         return {"PERSIA_TORCH_THREADS": f"auto:{share}", "OMP_NUM_THREADS": str(share)}
+    if isinstance(nn_threads, str):  # auto:N
+        start, _ = torch_threads_setting(nn_threads, cores, nn_procs)
+        return {"PERSIA_TORCH_THREADS": nn_threads, "OMP_NUM_THREADS": str(start)}
     return {"PERSIA_TORCH_THREADS": str(nn_threads), "OMP_NUM_THREADS": str(nn_threads)}
 
 

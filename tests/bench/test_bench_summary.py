@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.e2e_bench import LAUNCHER_BUDGET, PROFILES, LatencyPlan, ModelPlan, Profile, SystemPlan, plan, plan_runs
+from bench.e2e_bench import LAUNCHER_DEFAULT, PROFILES, LatencyPlan, ModelPlan, Profile, SystemPlan, plan, plan_runs
 from bench.e2e_bench import command_for
 from bench.summary import (HYBRID, SYNC, colocated_label, headline, hybrid_label, latency_rows, mean_curve, summarize,
                            sync_label)
@@ -133,7 +133,7 @@ def test_system_plans_resolve_staleness_and_threads_from_the_profile():
         name="t",
         data=GeneratorConfig(train_rows=10, test_rows=10),
         models=(ModelPlan("mlp400", 10, 10, (SystemPlan("persia-hybrid"), SystemPlan("persia-hybrid", staleness=10),
-                                              SystemPlan("persia-sync"), SystemPlan("persia-hybrid", nn_threads=LAUNCHER_BUDGET))),),
+                                              SystemPlan("persia-sync"), SystemPlan("persia-hybrid", nn_threads=LAUNCHER_DEFAULT))),),
         repeats=1, hybrid_staleness=3, persia_nn_threads=2,
     )  # fmt: skip
     got = [(s.label, s.staleness, s.nn_threads) for s in plan_runs(prof, "d")]

@@ -34,6 +34,7 @@ def test_nn_threads_default_to_measuring_from_the_share_of_the_cores():
     assert nn_thread_env("auto", cores=16, nn_procs=4) == {"PERSIA_TORCH_THREADS": "auto:4", "OMP_NUM_THREADS": "4"}
     assert nn_thread_env(None, cores=2, nn_procs=4)["PERSIA_TORCH_THREADS"] == "auto:1"  # never 0
     assert nn_thread_env(3, cores=2, nn_procs=1) == {"PERSIA_TORCH_THREADS": "3", "OMP_NUM_THREADS": "3"}
+    assert nn_thread_env("auto:3", cores=2, nn_procs=1) == {"PERSIA_TORCH_THREADS": "auto:3", "OMP_NUM_THREADS": "3"}
 
 
 def test_plan_rejects_bad_counts_and_missing_files(tmp_path):
@@ -72,6 +73,8 @@ def test_nn_threads_argument_takes_a_count_or_auto():
     from persia.local import _nn_threads_arg
 
     assert _nn_threads_arg("auto") == "auto" and _nn_threads_arg("AUTO") == "auto" and _nn_threads_arg("3") == 3
-    for bad, msg in (("0", "must be >= 1, got 0"), ("many", "a count or 'auto', got 'many'")):
+    assert _nn_threads_arg("auto:3") == "auto:3"
+    for bad, msg in (("0", "--nn-threads must be >= 1, got '0'"), ("many", "a count, 'auto' or 'auto:<count>', got 'many'"),
+                     ("auto:0", ">= 1, got 'auto:0'")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             _nn_threads_arg(bad)

@@ -130,7 +130,7 @@ class ThreadTuner:
         self.samples: dict[int, list[float]] = {c: [] for c in plan.candidates}
         self.chosen: int | None = None if plan.tunes else plan.candidates[0]
         self.block: int | None = None
-        self._phase = "wait" if plan.tunes else "done"  # wait, calibrate, blocks, done
+        self._phase = "wait"  # of the measurement running (chosen is None): wait, calibrate, blocks
         self._held = False
         self._dropped: set[int] = set()  # clearly slower counts of this measurement
         self._decided_at = 0
@@ -146,7 +146,7 @@ class ThreadTuner:
     def step_done(self) -> None:
         self.steps += 1
         p = self.plan
-        if self._phase == "done":
+        if self.chosen is not None:
             if (not self._held and p.tunes and p.remeasure_steps
                     and self.steps - self._decided_at >= p.remeasure_steps):
                 self._measure_again()
@@ -174,7 +174,7 @@ class ThreadTuner:
             self._order = self._order[:done] + [c for c in self._order[done:] if c != count]
         round_done = done % (2 * len(p.candidates)) == 0
         alone = len(p.candidates) - len(self._dropped) == 1
-        if done < len(self._order) and not alone and not (round_done and self._all_decisive()):
+        if done < len(self._order) and not alone and not (round_done and self._everywhere(decisive(self.samples, p))):
             self._begin(done, now)
             return
         self._decide()
@@ -187,7 +187,6 @@ class ThreadTuner:
         if self.chosen is not None:
             return
         self.chosen = self.plan.candidates[0]
-        self._phase = "done"
         self._set(self.chosen)
         if self._log is not None:
             self._log(f"torch threads: {self.chosen}, not measured ({reason})")
@@ -211,7 +210,7 @@ class ThreadTuner:
         medians = self._agreed([statistics.median(self.samples[c]) for c in cands])
         # the agreed medians decide, so every rank picks the same count
         self.chosen = choose({c: [m] for c, m in zip(cands, medians)}, self.plan)
-        self._phase, self._decided_at = "done", self.steps
+        self._decided_at = self.steps
         self.measurements += 1
         self._set(self.chosen)
         if self._log is not None:
@@ -223,12 +222,11 @@ class ThreadTuner:
         start = self.plan.candidates[0]
         if count == start or len(self.samples[count]) != 1 or not self.samples[start]:
             return False
-        slower = self.samples[count][0] >= self.samples[start][0] * (1 + self.plan.clear_loss_margin)
-        return self._agreed([0.0 if slower else 1.0])[0] == 0.0
+        return self._everywhere(self.samples[count][0] >= self.samples[start][0] * (1 + self.plan.clear_loss_margin))
 
-    def _all_decisive(self) -> bool:
-        """Decisive on every rank (the maximum of 0 where decisive, 1 where not)."""
-        return self._agreed([0.0 if decisive(self.samples, self.plan) else 1.0])[0] == 0.0
+    def _everywhere(self, flag: bool) -> bool:
+        """``flag`` holds on every rank (the maximum of 0 where it holds, 1 where not)."""
+        return self._agreed([0.0 if flag else 1.0])[0] == 0.0
 
     def _agreed(self, values: list[float]) -> list[float]:
         return list(values) if self._agree is None else [float(v) for v in self._agree(list(values))]
