@@ -527,12 +527,15 @@ def run_profile(
 
 def merge_latency(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` (latency runs only) merged into the previous runs.json: its model runs, adult-income
-    result and profile kept, its latency runs replaced. Without a previous file, ``doc`` alone."""
+    result and profile kept, its latency runs replaced, and the machine probed for them kept beside
+    the one the model runs were measured on (``latency_machine``: figures from different days are
+    only comparable with their machine's). Without a previous file, ``doc`` alone."""
     if not previous.is_file():
         return doc
     old = json.loads(previous.read_text())
     kept = [r for r in old.get("runs", []) if not str(r.get("mlp", "")).startswith("latency")]
-    return {**old, "runs": kept + doc["runs"], "latency_updated": time.strftime("%Y-%m-%d %H:%M:%S")}  # path_cpu kept too
+    return {**old, "runs": kept + doc["runs"], "latency_machine": doc["machine"],  # path_cpu kept too
+            "latency_updated": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def main(argv: list[str] | None = None) -> int:

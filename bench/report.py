@@ -490,6 +490,11 @@ def render_latency(doc: dict[str, Any], summary: list[dict[str, Any]], hybrid_na
            "well hybrid training hides latency, which the warm-up's synchronous first steps would hide in a run "
            "this short.\n" if lat.get("hybrid_warmup_steps") == 0 else "\n")
     )
+    if doc.get("latency_machine"):  # `make bench-latency` merged into an earlier `make bench`
+        probed = describe_machine(doc["latency_machine"])
+        w(f"These runs were made later than the models' above ({doc.get('latency_updated', 'date not recorded')}, "
+          f"`make bench-latency`){f', on a machine with {probed}' if probed else ''}: compare them with each other "
+          f"and with the torch runs beside them, not with the tables above.\n")
     if not rows:
         w("Not measured in this run.\n")
         return "\n".join(out)

@@ -82,7 +82,9 @@ def test_latency_section_and_plot_and_merge_keep_the_model_runs(tmp_path):
                     "result": {"samples_per_sec": sps, "auc": 0.79, "auc_curve": []}})  # fmt: skip
     runs_file = tmp_path / "runs.json"
     runs_file.write_text(json.dumps({**doc, "runs": doc["runs"] + [dict(lat[0], result=None, status="failed")]}))
-    merged = merge_latency(runs_file, {**doc, "runs": lat})
+    probe = {"cpus": 2, "wake_round_trip_us_cross_cpu": 143.0, "wake_round_trip_us_same_cpu": 8.3}
+    merged = merge_latency(runs_file, {**doc, "machine": probe, "runs": lat})
+    assert merged["machine"] == doc["machine"] and merged["latency_machine"] == probe  # neither probe lost
     assert [r["mlp"] for r in merged["runs"]].count("mlp400") == len(doc["runs"])  # model runs kept
     assert [r for r in merged["runs"] if r["mlp"].startswith("latency")] == lat  # old latency runs replaced
     head = write_report(merged, docs_dir=tmp_path / "docs", results_dir=tmp_path / "results")
@@ -91,5 +93,6 @@ def test_latency_section_and_plot_and_merge_keep_the_model_runs(tmp_path):
     md = (tmp_path / "docs" / "benchmarks.md").read_text()
     section = md[md.index("### Network latency"):]
     assert f"| 2 | **{HYBRID}** | 76 | 0.950 |" in section and "| 1.5 |" in section
+    assert "a wake-up round trip across CPUs 143 µs (8 µs on one CPU)" in section  # the latency runs' machine
     assert "latency_2ms" not in md[: md.index("### Network latency")]  # not among the models' tables
     assert (tmp_path / "docs" / "img" / "e2e_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
