@@ -7,14 +7,17 @@ import json
 import os
 import queue
 import signal
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from persia.bus import shared_bus, subject
-from persia.ctx import TrainCtx
+from persia.ctx import DataCtx, TrainCtx
 from persia.data import DataLoader, StreamingDataset
+from persia.data_loader import stream as loader_stream
+from persia.data_loader.stream import end_of_stream
 from persia.embedding.optim import Adagrad
 from persia.nn_worker import checkpoint_plan as plan
 from persia.nn_worker.checkpoint import CheckpointLoadError
@@ -241,3 +244,66 @@ def test_a_resume_with_another_number_of_data_loaders_fails_before_anything_is_t
     assert not sender.is_alive() and len(errors) == 1
     if loader_checks:
         assert isinstance(errors[0], PersiaError) and "this job has 2" in str(errors[0])
+
+
+class OtherRankHas(TrainCtx):
+    """A rank of two whose peer has ``peer_batches`` of each epoch's stream: the agreement DDP
+    ranks make before every step (``_all_ranks_have``, a gloo all-reduce in a real job) answered
+    here from that count. It cannot check the all-reduce itself; the two-rank scenario
+    (tests/faults/test_resume_two_ranks.py) runs it with real processes."""
+
+    def __init__(self, *args, peer_batches: list[int], **kwargs):
+        super().__init__(*args, **kwargs)
+        self.peer_batches, self.asked = list(peer_batches), 0
+
+    def _needs_rank_agreement(self, streaming: bool) -> bool:
+        return streaming
+
+    def _all_ranks_have(self, have: int) -> bool:
+        self.asked += 1
+        if self.asked <= self.peer_batches[0]:
+            return bool(have)
+        self.peer_batches.pop(0)  # the peer's epoch ended: so does this rank's
+        self.asked = 0
+        return False
+
+
+def test_the_uneven_tail_moves_the_loaders_position_so_a_later_checkpoint_resumes_exactly(persia_env, tmp_path):
+    """Epoch 1 (``StreamingDataset(until="epoch")``, one per epoch) sends this rank 6 batches, its
+    peer has 4: it trains 4 and drops the last 2 (the uneven tail). Epoch 2's 4 batches follow them in the loader's order; the checkpoint after 2 of
+    them must record 8 spent batches (4 trained + 2 dropped + 2 trained). It recorded 6, so a
+    resumed loader skipped too few and sent epoch 2's 2 trained batches again."""
+    errors: list = []
+    loader_stream.reset()
+
+    def two_epochs():
+        try:
+            for epoch in (range(6), range(6, 10)):
+                with DataCtx() as dctx:
+                    for i in epoch:
+                        dctx.send_data(make_batch(i))
+            end_of_stream()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    sender = threading.Thread(target=two_epochs, daemon=True)
+    model = Model()
+    with cluster():
+        sender.start()
+        with OtherRankHas(model=model, embedding_optimizer=Adagrad(lr=0.1), peer_batches=[4, 4],
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          checkpoint_dir=str(tmp_path / "ckpts"), checkpoint_interval_steps=6) as ctx:
+            steps = []
+            for _epoch in range(2):
+                for batch in DataLoader(StreamingDataset(4, until="epoch"), embedding_staleness=1, reproducible=True):
+                    out, labels = ctx.forward(batch)
+                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                steps.append(ctx.step)
+            ctx.wait_for_pending_updates()
+            live = ctx._live_position()
+        sender.join(30)
+    assert not errors, errors
+    assert steps == [4, 8]
+    progress = json.loads((tmp_path / "ckpts" / "ckpt-000000000006" / plan.PROGRESS).read_text())
+    assert progress["loaders"] == {"0": {"0": 8}}, progress
+    assert live["loaders"] == {"0": 10}, live  # acknowledged: every batch of both epochs by the end

@@ -162,25 +162,26 @@ def test_a_malformed_earlier_run_is_refused_naming_it(tmp_path):
         read_progress(tmp_path)
 
 
-OUTCOMES = ["trained", "non_finite_loss", "lost_id_features", "abandoned"]
+OUTCOMES = ["trained", "non_finite_loss", "lost_id_features", "uneven_tail", "abandoned"]
 
 
-def _consumer_cut(outcomes: list[str], cut: int, counts_lost: bool = True) -> tuple[int, set[int]]:
+def _consumer_cut(outcomes: list[str], cut: int, uncounted: frozenset[str] = frozenset()) -> tuple[int, set[int]]:
     """One loader, one rank: the training loop consumes ``cut`` batches in arrival order with the
     given outcomes (then the checkpoint); returns the position recorded and the batches whose send
-    is spent (trained, skipped, lost: never to be trained from a resend)."""
+    is spent (trained, skipped, lost, dropped as the uneven tail: never to be trained from a
+    resend). ``uncounted``: outcomes left out of the position, as the bugs below did."""
     position, spent = 0, set()
     for k, outcome in enumerate(outcomes[:cut]):
         if outcome == "abandoned":
             break  # the loop stopped: nothing after it was consumed either
         spent.add(k)
-        if plan.advances_position(outcome) and (counts_lost or outcome != "lost_id_features"):
+        if plan.advances_position(outcome) and outcome not in uncounted:
             position += 1
     return position, spent
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.sampled_from(OUTCOMES[:3]), max_size=30), st.integers(0, 30))
+@given(st.lists(st.sampled_from(OUTCOMES[:4]), max_size=30), st.integers(0, 30))
 def test_a_consumed_batch_moves_its_loaders_position_whatever_became_of_it(outcomes, cut):
     """After a resume the loader sends exactly the batches the loop had not consumed: none that
     was trained, skipped or lost is sent again (a lost batch stays lost, as in an undisturbed run)."""
@@ -193,13 +194,24 @@ def test_a_consumed_batch_moves_its_loaders_position_whatever_became_of_it(outco
 def test_the_outcomes_that_move_a_position():
     assert all(plan.advances_position(o) for o in ("trained", "lost_id_features", "non_finite_loss",
                                                    "non_finite_dense_grad", "non_finite_embedding_grad",
-                                                   "amp_overflow"))
-    assert not any(plan.advances_position(o) for o in ("abandoned", "uneven_tail", "evaluated"))
+                                                   "amp_overflow", "uneven_tail"))
+    assert not any(plan.advances_position(o) for o in ("abandoned", "evaluated"))
     # the bug this rule fixes: a lost batch left out of the count made the resumed loader skip one
     # batch too few, sending batch 2 (already trained) again
-    n, _ = _consumer_cut(["trained", "lost_id_features", "trained"], 3, counts_lost=False)
+    n, _ = _consumer_cut(["trained", "lost_id_features", "trained"], 3, uncounted=frozenset({"lost_id_features"}))
     position, _ = position_from_info({"step": 2, "world_size": 1, "loaders": {"0": {"0": n}}}, 0, 1)
     assert [k for k in range(4) if not position.skip(k)] == [2, 3]
+
+
+def test_the_uneven_tail_moves_the_position_so_the_next_epoch_resumes_exactly():
+    """A DDP rank drops the last two batches of epoch 1 (the other rank had none left); epoch 2's
+    batches follow them in the loader's order. Left out of the count, the tail made a resumed
+    loader skip two batches too few and send epoch 2's last trained batches, 7 and 8, again."""
+    outcomes = ["trained"] * 3 + ["uneven_tail"] * 2 + ["trained"] * 4
+    for uncounted, resent in ((frozenset({"uneven_tail"}), [7, 8, 9]), (frozenset(), [9])):
+        n, _ = _consumer_cut(outcomes, 9, uncounted=uncounted)
+        position, _ = position_from_info({"step": 7, "world_size": 1, "loaders": {"0": {"0": n}}}, 0, 1)
+        assert [k for k in range(10) if not position.skip(k)] == resent
 
 
 def test_a_resume_with_another_number_of_data_loaders_is_refused_naming_both_and_the_checkpoint():

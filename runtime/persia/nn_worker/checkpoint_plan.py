@@ -156,7 +156,7 @@ def merge_positions(per_rank: list[Mapping[int, int]]) -> dict[str, dict[str, in
 # What became of a batch the training loop took from the stream, and whether its loader's position
 # (how many of its batches to this rank a resumed loader skips) moves past it.
 CONSUMED = frozenset({"trained", "non_finite_loss", "non_finite_dense_grad", "non_finite_embedding_grad",
-                      "amp_overflow", "lost_id_features"})
+                      "amp_overflow", "lost_id_features", "uneven_tail"})
 
 
 def advances_position(outcome: str) -> bool:
@@ -164,11 +164,13 @@ def advances_position(outcome: str) -> bool:
 
     Positions are "the first n batches this loader sent to this rank", skipped by a resumed loader
     as a prefix, so every batch the training loop *consumed* must count, in arrival order, whether
-    it trained or not: a skipped non-finite step, and a batch whose ID features were lost (its
+    it trained or not: a skipped non-finite step, a batch whose ID features were lost (its
     loader released them, or they never came; that send will never be trained, and an undisturbed
-    run does not train it either). Leaving a consumed batch out shifts the prefix: the resumed
-    loader skips one batch too few and sends an already-trained one again. Batches received but
-    never consumed (``abandoned``, the ``uneven_tail`` DDP drops, an evaluation) do not count."""
+    run does not train it either), and the uneven tail DDP ranks drop at the end of a stream so
+    that they stay in step (an undisturbed run drops it too, and the next epoch's batches follow it
+    in its loader's order). Leaving a consumed batch out shifts the prefix: the resumed loader
+    skips one batch too few and sends an already-trained one again. Batches received but never
+    reached (``abandoned`` when training stops early, an evaluation's) do not count."""
     return outcome in CONSUMED
 
 

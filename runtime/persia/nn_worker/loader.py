@@ -311,6 +311,7 @@ class _LoaderIterator:
             if not self.ctx._all_ranks_have(have):
                 if item is not _END:
                     ACCOUNT.fail("uneven_tail")
+                    self._count_untrained(item.loader, "uneven_tail")
                     self._discard(item)
                 self._finish(drain=True)
                 raise StopIteration
@@ -336,14 +337,18 @@ class _LoaderIterator:
                 # its data loader gave up on the ID features (or they never came): counted, skipped
                 ACCOUNT.fail("lost_id_features")
                 log.error("%s; counted as failed (lost_id_features)", exc)
-                if self.streaming and getattr(self.ctx, "is_training", False) and hasattr(self.ctx, "_count_lost"):
-                    # consumed here, in arrival order: its loader's resume position moves past it
-                    self.ctx._count_lost(exc.loader)
+                self._count_untrained(exc.loader, "lost_id_features")
                 if self._lookahead is not None:
                     self._lookahead.release()
             except BaseException:
                 self._finish()
                 raise
+
+    def _count_untrained(self, loader: int | None, outcome: str) -> None:
+        """A streamed training batch reached in arrival order but not trained: its loader's resume
+        position moves past it (``checkpoint_plan.advances_position``)."""
+        if self.streaming and getattr(self.ctx, "is_training", False) and hasattr(self.ctx, "_count_untrained"):
+            self.ctx._count_untrained(loader, outcome)
 
     def _discard(self, batch: PersiaTrainingBatch) -> None:
         self.ctx._release_trained_refs([batch])
@@ -365,10 +370,16 @@ class _LoaderIterator:
                 if fut is _END:
                     break
                 try:
-                    self._discard(fut.result())
-                    dropped += 1
+                    batch = fut.result()
+                except BatchLost as exc:  # lost either way: its position moves as in training
+                    ACCOUNT.fail("lost_id_features")
+                    self._count_untrained(exc.loader, "lost_id_features")
+                    continue
                 except BaseException:  # noqa: BLE001
-                    pass
+                    continue
+                self._count_untrained(batch.loader, "uneven_tail")
+                self._discard(batch)
+                dropped += 1
             if dropped:
                 ACCOUNT.fail("uneven_tail", dropped)
                 log.warning("dropped %d trailing batches so that every NN rank trains the same number of steps", dropped)

@@ -237,10 +237,11 @@ class PeriodicCheckpointing:
         self.step += 1
         self._advance_position(loader, outcome)
 
-    def _count_lost(self, loader: int | None) -> None:
-        """A batch of ``loader`` that the training loop reached but could not train (its ID
-        features were lost): no step, but its loader's position moves past it."""
-        self._advance_position(loader, "lost_id_features")
+    def _count_untrained(self, loader: int | None, outcome: str) -> None:
+        """A batch of ``loader`` that the training loop reached but will not train (its ID
+        features were lost, or it is in the uneven tail DDP ranks drop): no step, but its loader's
+        position moves past it."""
+        self._advance_position(loader, outcome)
 
     def _advance_position(self, loader: int | None, outcome: str) -> None:
         if loader is not None and plan.advances_position(outcome):
