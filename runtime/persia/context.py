@@ -108,7 +108,11 @@ class BaseCtx:
         if setting:
             threads, self.tune_torch_threads = torch_threads_setting(
                 setting, _available_cores(), int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
-            set_torch_threads(threads)
+            # A context made inside a running one (an eval_ctx between training steps) keeps the
+            # count in force: it may be the one the NN worker measured, and setting the start count
+            # again would undo that choice for the rest of training.
+            if not ctx_stack():
+                set_torch_threads(threads)
 
     @functools.cached_property
     def device(self):

@@ -44,6 +44,23 @@ def test_with_torch_loaded_first_the_context_sets_its_threads():
     assert got.returncode == 0 and got.stdout.strip() == "1", got.stderr[-2000:]
 
 
+def test_a_context_inside_a_running_one_keeps_the_measured_count():
+    """An eval_ctx between training steps made the count the start count again: the NN worker's
+    measured choice (1 thread) held only until the first evaluation."""
+    got = _run("""
+        import torch
+        from persia.context import BaseCtx
+        with BaseCtx():
+            start = torch.get_num_threads()
+            torch.set_num_threads(1)  # what the NN worker's tuner chose
+            with BaseCtx():  # an eval_ctx between training steps
+                inner = torch.get_num_threads()
+        BaseCtx()  # a context of its own, after training: the setting's start count again
+        print(start, inner, torch.get_num_threads())
+    """, PERSIA_TORCH_THREADS="auto:2")
+    assert got.returncode == 0 and got.stdout.strip() == "2 1 2", (got.stdout, got.stderr[-2000:])
+
+
 def test_a_bad_thread_count_is_refused_by_name():
     got = _run("from persia.context import BaseCtx; BaseCtx()", PERSIA_TORCH_THREADS="0")
     assert got.returncode != 0 and "PERSIA_TORCH_THREADS must be >= 1, got '0'" in got.stderr
