@@ -270,9 +270,10 @@ class OtherRankHas(TrainCtx):
 
 def test_the_uneven_tail_moves_the_loaders_position_so_a_later_checkpoint_resumes_exactly(persia_env, tmp_path):
     """Epoch 1 (``StreamingDataset(until="epoch")``, one per epoch) sends this rank 6 batches, its
-    peer has 4: it trains 4 and drops the last 2 (the uneven tail). Epoch 2's 4 batches follow them in the loader's order; the checkpoint after 2 of
-    them must record 8 spent batches (4 trained + 2 dropped + 2 trained). It recorded 6, so a
-    resumed loader skipped too few and sent epoch 2's 2 trained batches again."""
+    peer has 4: it trains 4 and drops the last 2 (the uneven tail). Epoch 2's 4 batches follow them
+    in the loader's order; the checkpoint after 2 of them must record 8 spent batches (4 trained +
+    2 dropped + 2 trained). It recorded 6, so a resumed loader skipped too few and sent epoch 2's 2
+    trained batches again."""
     errors: list = []
     loader_stream.reset()
 

@@ -310,8 +310,7 @@ class _LoaderIterator:
             have = 0 if item is _END else 1
             if not self.ctx._all_ranks_have(have):
                 if item is not _END:
-                    ACCOUNT.fail("uneven_tail")
-                    self._count_untrained(item.loader, "uneven_tail")
+                    self._untrained(item.loader, "uneven_tail")
                     self._discard(item)
                 self._finish(drain=True)
                 raise StopIteration
@@ -335,20 +334,24 @@ class _LoaderIterator:
                 return fut.result()
             except BatchLost as exc:
                 # its data loader gave up on the ID features (or they never came): counted, skipped
-                ACCOUNT.fail("lost_id_features")
-                log.error("%s; counted as failed (lost_id_features)", exc)
-                self._count_untrained(exc.loader, "lost_id_features")
+                self._lost(exc)
                 if self._lookahead is not None:
                     self._lookahead.release()
             except BaseException:
                 self._finish()
                 raise
 
-    def _count_untrained(self, loader: int | None, outcome: str) -> None:
-        """A streamed training batch reached in arrival order but not trained: its loader's resume
-        position moves past it (``checkpoint_plan.advances_position``)."""
-        if self.streaming and getattr(self.ctx, "is_training", False) and hasattr(self.ctx, "_count_untrained"):
-            self.ctx._count_untrained(loader, outcome)
+    def _untrained(self, loader: int | None, outcome: str) -> None:
+        """A batch reached in arrival order but not trained: counted as failed with ``outcome``,
+        and, streamed to a training rank, its loader's resume position moves past it
+        (``checkpoint_plan.advances_position``)."""
+        ACCOUNT.fail(outcome)
+        if self.streaming and getattr(self.ctx, "is_training", False) and hasattr(self.ctx, "_advance_position"):
+            self.ctx._advance_position(loader, outcome)
+
+    def _lost(self, exc: BatchLost) -> None:
+        log.error("%s; counted as failed (lost_id_features)", exc)
+        self._untrained(exc.loader, "lost_id_features")
 
     def _discard(self, batch: PersiaTrainingBatch) -> None:
         self.ctx._release_trained_refs([batch])
@@ -371,17 +374,15 @@ class _LoaderIterator:
                     break
                 try:
                     batch = fut.result()
-                except BatchLost as exc:  # lost either way: its position moves as in training
-                    ACCOUNT.fail("lost_id_features")
-                    self._count_untrained(exc.loader, "lost_id_features")
+                except BatchLost as exc:  # lost either way: counted as in training
+                    self._lost(exc)
                     continue
                 except BaseException:  # noqa: BLE001
                     continue
-                self._count_untrained(batch.loader, "uneven_tail")
+                self._untrained(batch.loader, "uneven_tail")
                 self._discard(batch)
                 dropped += 1
             if dropped:
-                ACCOUNT.fail("uneven_tail", dropped)
                 log.warning("dropped %d trailing batches so that every NN rank trains the same number of steps", dropped)
         self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -237,13 +237,10 @@ class PeriodicCheckpointing:
         self.step += 1
         self._advance_position(loader, outcome)
 
-    def _count_untrained(self, loader: int | None, outcome: str) -> None:
-        """A batch of ``loader`` that the training loop reached but will not train (its ID
-        features were lost, or it is in the uneven tail DDP ranks drop): no step, but its loader's
-        position moves past it."""
-        self._advance_position(loader, outcome)
-
     def _advance_position(self, loader: int | None, outcome: str) -> None:
+        """A batch of ``loader`` ended in ``outcome`` (trained, or reached and not trained: its ID
+        features lost, the uneven tail DDP ranks drop); its loader's position moves past it when
+        the outcome counts (``checkpoint_plan.advances_position``)."""
         if loader is not None and plan.advances_position(outcome):
             self._trained_per_loader[loader] = self._trained_per_loader.get(loader, 0) + 1
 
