@@ -197,10 +197,11 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         f"- **Method**: each run is its own process tree (peak memory and CPU time per run); {prof['repeats']} "
         f"repeat(s) interleaved across systems, seed = repeat index (dense initialisation; same data, same "
         f"order). samples/s = training samples / training time, evaluation and start-up excluded; AUC on "
-        f"the test rows (sklearn `roc_auc_score`), mean over seeds; *AUC − sync* is the seed-paired mean "
-        f"difference to the synchronous run with the same replicas and threads. *load* = the highest "
-        f"1-minute load average seen at the start or end of a run; a run alone on the machine brings it to "
-        f"about 2, more means other work shared the 2 cores and that configuration's throughput is pessimistic.\n"
+        f"the test rows (rank-based, equal to sklearn's `roc_auc_score`: `synthetic_ctr/metrics.py`), mean "
+        f"over seeds; *AUC − sync* is the seed-paired mean difference to the synchronous run with the same "
+        f"replicas and threads. *load* = the highest 1-minute load average seen at the start or end of a "
+        f"run; a run alone on the machine brings it to about 2, more means other work shared the 2 cores "
+        f"and that configuration's throughput is pessimistic.\n"
     )
 
     by_label_all = {}

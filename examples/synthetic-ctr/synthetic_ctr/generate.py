@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from synthetic_ctr.idmix import ids_for
+from synthetic_ctr.metrics import rank_auc
 from synthetic_ctr.manifest import (
     ChunkFile,
     GeneratorConfig,
@@ -100,24 +101,6 @@ def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
     tmp.replace(path)
 
 
-def _auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Rank-based ROC AUC (Mann-Whitney, ties averaged); avoids importing sklearn here."""
-    order = np.argsort(scores, kind="mergesort")
-    sorted_scores = scores[order]
-    ranks = np.empty(len(scores), dtype=np.float64)
-    # average ranks over ties
-    boundaries = np.flatnonzero(np.diff(sorted_scores)) + 1
-    starts = np.concatenate(([0], boundaries))
-    ends = np.concatenate((boundaries, [len(scores)]))
-    avg = (starts + ends - 1) / 2.0 + 1.0
-    ranks[order] = np.repeat(avg, ends - starts)
-    pos = labels > 0.5
-    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
-
-
 def generate_dataset(out_dir: str | Path, cfg: GeneratorConfig, *, reuse: bool = True) -> Manifest:
     """Write the dataset under ``out_dir``. With ``reuse``, an existing dataset generated from the
     same config is returned as is (generation is deterministic, so it would be identical)."""
@@ -159,7 +142,7 @@ def generate_dataset(out_dir: str | Path, cfg: GeneratorConfig, *, reuse: bool =
         splits[name] = Split(rows=total, positive_rate=float(y.mean()), files=files)
         if name == "test":
             p = np.clip(np.concatenate(probs).astype(np.float64), 1e-7, 1 - 1e-7)
-            test_auc = _auc(y, p)
+            test_auc = rank_auc(y, p)
             test_logloss = float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
 
     vocab = {SLOT_NAMES[s]: np.unique(np.concatenate(vocab_parts[s])) for s in range(NUM_SLOTS)}
