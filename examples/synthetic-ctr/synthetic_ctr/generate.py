@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from synthetic_ctr.idmix import ids_for
-from synthetic_ctr.metrics import rank_auc
 from synthetic_ctr.manifest import (
     ChunkFile,
     GeneratorConfig,
@@ -31,6 +30,7 @@ from synthetic_ctr.manifest import (
     load_manifest,
     write_manifest,
 )
+from synthetic_ctr.metrics import binary_log_loss, rank_auc
 from synthetic_ctr.schema import DENSE_NAMES, NUM_DENSE, NUM_SLOTS, SLOT_NAMES, scaled_cardinalities
 from synthetic_ctr.teacher import Teacher, build_teacher, calibrate
 
@@ -143,7 +143,7 @@ def generate_dataset(out_dir: str | Path, cfg: GeneratorConfig, *, reuse: bool =
         if name == "test":
             p = np.clip(np.concatenate(probs).astype(np.float64), 1e-7, 1 - 1e-7)
             test_auc = rank_auc(y, p)
-            test_logloss = float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+            test_logloss = binary_log_loss(y, p)
 
     vocab = {SLOT_NAMES[s]: np.unique(np.concatenate(vocab_parts[s])) for s in range(NUM_SLOTS)}
     _write_npz(out / VOCAB_NAME, vocab)
