@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from sklearn.metrics import log_loss, roc_auc_score
 
-from tests.bench.conftest import EXAMPLE_DIR
+EXAMPLE_DIR = Path(__file__).resolve().parents[2] / "examples" / "synthetic-ctr"
 
 
 @pytest.mark.parametrize("levels", [None, 7])  # continuous scores, and scores with many ties
