@@ -6,6 +6,7 @@ from persia.nn_worker.thread_tuning import (
     ThreadTuner,
     TuningPlan,
     block_order,
+    block_sample,
     block_steps,
     candidates_for,
     choose,
@@ -51,12 +52,24 @@ def test_choose_prefers_fewer_threads_within_the_margin():
         "torch threads: 2 (median step time: 1 thread 17.0 ms/step (2 blocks), 2 threads 10.0 ms/step (1 blocks))")
 
 
-class Sim:
-    """A training loop whose step time depends on the thread count (and optionally drifts)."""
+def test_a_block_sample_leaves_out_what_ran_between_two_steps():
+    plan = TuningPlan((2, 1), outlier_factor=3.0)
+    assert block_sample([0.02, 0.02, 0.02], plan) == pytest.approx(0.02)
+    assert block_sample([0.02, 0.021, 1.5, 0.019], plan) == pytest.approx(0.02)  # an evaluation
+    assert block_sample([0.02, 0.05, 0.02], plan) == pytest.approx(0.03)  # 2.5x the median: a slow step, kept
+    with pytest.raises(ValueError, match="at least one step"):
+        block_sample([], plan)
 
-    def __init__(self, per_threads: dict[int, float], drift_per_step: float = 0.0, start: int = 2):
+
+class Sim:
+    """A training loop whose step time depends on the thread count (and optionally drifts);
+    ``pauses`` adds seconds before a step (an evaluation the script runs between two steps)."""
+
+    def __init__(self, per_threads: dict[int, float], drift_per_step: float = 0.0, start: int = 2,
+                 pauses: dict[int, float] | None = None):
         self.per_threads, self.drift = per_threads, drift_per_step
         self.threads, self.now, self.step = start, 0.0, 0
+        self.pauses = pauses or {}
         self.applied: list[int] = []
 
     def set_threads(self, n: int) -> None:
@@ -65,6 +78,7 @@ class Sim:
 
     def run(self, tuner: ThreadTuner, steps: int) -> None:
         for _ in range(steps):
+            self.now += self.pauses.get(self.step, 0.0)
             self.now += self.per_threads[self.threads] + self.drift * self.step
             self.step += 1
             tuner.step_done()
@@ -91,6 +105,18 @@ def test_tuner_picks_one_thread_where_it_steps_faster():
                      "2 threads 21.0 ms/step (4 blocks))"]
     sim.run(tuner, 50)
     assert sim.applied[-1] == 1 and len(sim.applied) == 9  # decided once
+
+
+def test_an_evaluation_inside_a_block_does_not_decide_the_count():
+    """Steps 10-14 calibrate, then blocks of 15 steps: 2 1 1 2 ... A 2 s evaluation before step 27,
+    in the first 1-thread block, would have made that block's mean 0.15 s per step and 2 threads
+    the choice."""
+    sim = Sim({2: 0.021, 1: 0.019}, pauses={27: 2.0, 12: 2.0})  # one in calibration too
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=10, calibration_steps=5, min_block_s=0.3, rounds=2))
+    sim.run(tuner, 15 + 8 * 15)
+    assert tuner.block == 15  # calibrated on the steps, not on the evaluation
+    assert tuner.chosen == 1
+    assert tuner.samples[1] == pytest.approx([0.019] * 4)
 
 
 def test_a_count_clearly_slower_in_its_first_block_is_dropped_at_once():

@@ -13,6 +13,11 @@ run at each candidate count in mirrored order (A B B A ...), so a steady drift o
 (the staleness ramp, a neighbour's load) weighs on every candidate alike; each block's time per
 step is a sample, and the candidate with the lowest median wins. A smaller count wins ties within
 ``tie_margin``: it leaves CPU to the other roles.
+
+A block's sample is the mean of its steps' times without the steps far slower than the block's
+median (``outlier_factor``): the time between two steps also holds whatever the training script
+does there, such as an evaluation or a checkpoint, and one such gap must not make the count that
+happened to run it look slow.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class TuningPlan:
     # measure again this many steps after a choice (None: never); each time costs about 2% of the
     # steps, half of them at the other count
     remeasure_steps: int | None = 5000
+    # a step this many times the block's median is not training time (an evaluation, a checkpoint
+    # between steps) and is left out of the block's sample
+    outlier_factor: float = 3.0
 
     def __post_init__(self):
         if not self.candidates or any(c < 1 for c in self.candidates):
@@ -77,6 +85,16 @@ def block_order(plan: TuningPlan) -> list[int]:
     """Candidate per block, mirrored: A B C C B A, ``rounds`` times."""
     forward = list(plan.candidates)
     return (forward + forward[::-1]) * plan.rounds
+
+
+def block_sample(step_times: list[float], plan: TuningPlan) -> float:
+    """A block's seconds per step: the mean over its steps, leaving out those over
+    ``outlier_factor`` times the block's median (what the script did between two steps)."""
+    if not step_times:
+        raise ValueError("a block needs at least one step")
+    limit = statistics.median(step_times) * plan.outlier_factor
+    kept = [t for t in step_times if t <= limit]
+    return sum(kept) / len(kept)
 
 
 def choose(samples: dict[int, list[float]], plan: TuningPlan) -> int:
@@ -136,8 +154,9 @@ class ThreadTuner:
         self._decided_at = 0
         self._order = block_order(plan)
         self._index = 0  # the block running
-        self._mark = 0.0  # when calibration or the running block started
-        self._mark_step = 0
+        self._mark_step = 0  # the step count when calibration or the running block started
+        self._last = 0.0  # when the last step ended
+        self._times: list[float] = []  # the running calibration's or block's step times
 
     @property
     def measuring(self) -> bool:
@@ -153,13 +172,15 @@ class ThreadTuner:
             return
         if self._phase == "wait":
             if self.steps >= p.start_step:
-                self._phase, self._mark, self._mark_step = "calibrate", self._clock(), self.steps
+                self._start_calibration()
             return
         now = self._clock()
+        self._times.append(now - self._last)
+        self._last = now
         if self._phase == "calibrate":
             if self.steps - self._mark_step < p.calibration_steps:
                 return
-            step_s = (now - self._mark) / (self.steps - self._mark_step)
+            step_s = block_sample(self._times, p)
             self.block = int(self._agreed([block_steps(step_s, p)])[0])
             self._phase = "blocks"
             self._begin(0, now)
@@ -167,7 +188,7 @@ class ThreadTuner:
         if self.steps - self._mark_step < self.block:
             return
         count = self._order[self._index]
-        self.samples[count].append((now - self._mark) / (self.steps - self._mark_step))
+        self.samples[count].append(block_sample(self._times, p))
         done = self._index + 1
         if self._clearly_slower(count):  # none of its later blocks; the start count alone left: decided
             self._dropped.add(count)
@@ -199,10 +220,14 @@ class ThreadTuner:
         self._dropped = set()
         self._order = block_order(self.plan)
         self.chosen = None
-        self._phase, self._mark, self._mark_step = "calibrate", self._clock(), self.steps
+        self._start_calibration()
+
+    def _start_calibration(self) -> None:
+        self._phase, self._mark_step = "calibrate", self.steps
+        self._last, self._times = self._clock(), []
 
     def _begin(self, index: int, now: float) -> None:
-        self._index, self._mark, self._mark_step = index, now, self.steps
+        self._index, self._mark_step, self._last, self._times = index, self.steps, now, []
         self._set(self._order[index])
 
     def _decide(self) -> None:
