@@ -294,7 +294,10 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "the AUC comparison to mean something (1,563 steps); the 30-step group measures the same gap in a "
         "short run, where Adagrad's large first steps make a stale read cost most; the batch-1024 group is "
         "there for throughput (391 steps); the FFNN, about 25 times more compute per sample, trains on fewer "
-        "rows and is there for throughput only. Other processes on the machine change throughput; the "
+        "rows and is there for throughput only. The configurations a target is computed from run every "
+        "repeat; those that give context (the PS-formula and TorchRec baselines where the fused baseline "
+        "is the fastest, stale reads and the colocated PS on the long MLP-400 run, their path CPU) run "
+        "once, as the *ok runs* column shows. Other processes on the machine change throughput; the "
         "repeats are interleaved so that such load hits every system alike, and the *load* column says "
         "when it happened.\n"
     )
