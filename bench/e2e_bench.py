@@ -84,7 +84,8 @@ class LatencyPlan:
     systems: tuple[SystemPlan, ...] = (
         SystemPlan("persia-sync"),
         SystemPlan("persia-hybrid"),  # the profile's headline bound
-        SystemPlan("persia-hybrid", staleness=10, replay=False),  # PERSIA's examples' bound, stale reads
+        # PERSIA's examples' bound with stale reads: context (the headline is the same bound), one seed
+        SystemPlan("persia-hybrid", staleness=10, replay=False, repeats=1),
     )
     baseline: SystemPlan | None = SystemPlan("torch", threads=2, fused=True)
     repeats: int | None = None  # None: the profile's
@@ -138,6 +139,9 @@ class Profile:
     # more path CPU measurements, one per other throughput target, for what the cores allow it
     # (bench.summary.cpu_bound)
     path_cpu_targets: tuple["PathPlan", ...] = ()
+    # pairs of the same measurement with each PS inside its embedding worker (--colocate-ps); 0: not
+    # measured (``python -m bench.path_cpu --colocate-ps`` measures it alone)
+    path_cpu_colocated_pairs: int = 0
     notes: tuple[str, ...] = field(default=())
 
 
@@ -164,7 +168,7 @@ _SYSTEMS_B1024 = (
 )
 _SYSTEMS_SHORT = (  # the AUC gap of the default setting in a short run (30 steps)
     SystemPlan("persia-hybrid"),
-    SystemPlan("persia-hybrid", staleness=10, replay=False),
+    SystemPlan("persia-hybrid", staleness=10, replay=False, repeats=1),  # stale reads: context
     SystemPlan("persia-sync"),
 )
 _SYSTEMS_FFNN = (
@@ -197,10 +201,13 @@ PROFILES: dict[str, Profile] = {
         # the label): on a 2-core VM one thread stepped MLP 400 at batch 256 13-15% faster than
         # two, while two stepped the FFNN 1.4x faster (docs/benchmarks.md, session 9)
         persia_nn_threads="auto",
-        latency=LatencyPlan(train_rows=60_000, test_rows=20_000),
-        path_cpu_rows=(40_000, 160_000),
-        path_cpu_targets=(PathPlan("ratio_mlp400_b1024", "mlp400", 1024, (80_000, 320_000)),
-                          PathPlan("ratio_ffnn", "ffnn", 256, (5_000, 20_000), pairs=1)),  # ~50 s a pair
+        # 157 steps a run: the hybrid runs skip the warm-up, so every step measures latency hiding
+        latency=LatencyPlan(train_rows=40_000, test_rows=20_000),
+        path_cpu_rows=(30_000, 120_000),
+        # one pair each: they say what the cores allow those targets, the targets themselves are
+        # measured in the throughput runs (~40 s a pair)
+        path_cpu_targets=(PathPlan("ratio_mlp400_b1024", "mlp400", 1024, (80_000, 320_000), pairs=1),
+                          PathPlan("ratio_ffnn", "ffnn", 256, (5_000, 20_000), pairs=1)),
     ),
     # A few thousand rows through every stage (generator, each system, report); checks plumbing only.
     "smoke": Profile(
@@ -291,6 +298,8 @@ def plan(profile: Profile, data_dir: str, systems: set[str] | None = None, parts
                 out.append(Planned(latency_group(None), _spec(lat.baseline, profile, data_dir, lat.mlp, r, *rows)))
             for d in lat.delays_ms:
                 for s in chosen:
+                    if r >= (s.repeats or lat.repeats or profile.repeats):
+                        continue
                     spec = _spec(s, profile, data_dir, lat.mlp, r, *rows)
                     if s.system == "persia-hybrid":
                         spec = spec.model_copy(update={"staleness_warmup_steps": lat.hybrid_warmup_steps})
@@ -456,9 +465,9 @@ def run_profile(
                     return {"status": "failed", "reason": str(exc)}
 
             path_cpu = path(profile.path_cpu_rows, profile.repeats, profile.batch_size)
-            # each PS replica inside its embedding worker's process (persia-launcher local --colocate-ps):
-            # context, not a target, so one pair
-            path_cpu_colocated = path(profile.path_cpu_rows, 1, profile.batch_size, colocate_ps=True)
+            if profile.path_cpu_colocated_pairs:  # each PS replica inside its embedding worker's process
+                path_cpu_colocated = path(profile.path_cpu_rows, profile.path_cpu_colocated_pairs,
+                                          profile.batch_size, colocate_ps=True)
             for t in profile.path_cpu_targets:
                 path_cpu_targets[t.target] = path(t.rows, min(t.pairs, profile.repeats), t.batch_size, t.mlp)
 

@@ -62,8 +62,13 @@ def test_full_profile_measures_every_configuration_the_issue_asks_for():
     for group, label in [("mlp400", "torch fused threads=2"), ("mlp400_b1024", "torch fused threads=2"),
                          ("mlp400_b1024", hybrid), ("ffnn", "torch fused threads=2"), ("ffnn", hybrid)]:
         assert {p.spec.seed for p in planned if p.group == group and p.spec.label == label} == {0, 1, 2}
-    for group, label in [("mlp400", "torch threads=2"), ("mlp400", st10), ("ffnn", "torch threads=2")]:
+    for group, label in [("mlp400", "torch threads=2"), ("mlp400", st10), ("ffnn", "torch threads=2"),
+                         ("mlp400_30steps", st10), ("latency_2ms", st10)]:
         assert {p.spec.seed for p in planned if p.group == group and p.spec.label == label} == {0}
+    for group in ("latency_0ms", "latency_0.5ms", "latency_2ms"):  # the latency targets: 3 seeds each
+        for label in (hybrid, sync):
+            assert {p.spec.seed for p in planned if p.group == group and p.spec.label == label} == {0, 1, 2}
+    assert full.path_cpu_colocated_pairs == 0 and full.latency.train_rows == 40_000
     assert "--colocate-ps" in command_for(colocated[0], "persia-launcher")[0]
     assert not any(p.spec.colocate_ps for p in planned if p.group != "mlp400")
     assert {p.spec.batch_size for p in planned if p.group == "mlp400_b1024"} == {1024}
@@ -76,10 +81,11 @@ def test_full_profile_measures_every_configuration_the_issue_asks_for():
     assert command_for(planned[[p.spec.label for p in planned].index(hybrid)].spec,
                        "persia-launcher")[1]["PERSIA_REPLAY_OWN_UPDATES"] == "1"
     assert all(p.spec.staleness is None and p.spec.nn_threads is None for p in planned if not p.spec.system.startswith("persia"))
-    # latency: 3 delays x (sync, headline hybrid, stale reads) x 3 seeds behind the proxies, torch once per seed
+    # latency: 3 delays x (sync and headline hybrid x 3 seeds, stale reads x 1) behind the proxies,
+    # torch once per seed
     delayed = [p for p in planned if p.delay_ms is not None]
     assert sorted({p.delay_ms for p in delayed}) == [0.0, 0.5, 2.0]
-    assert {p.spec.label for p in delayed} == {sync, hybrid, st10} and len(delayed) == 27
+    assert {p.spec.label for p in delayed} == {sync, hybrid, st10} and len(delayed) == 3 * (3 + 3 + 1)
     assert all(p.group == f"latency_{p.delay_ms:g}ms" for p in delayed)
     assert [p.spec.seed for p in planned if p.group == "latency_torch"] == [0, 1, 2]
 
