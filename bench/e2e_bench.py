@@ -148,9 +148,9 @@ class Profile:
 # One process gets the whole machine with torch's default threading (2 threads spin-waiting as
 # OpenMP does by default). The PS-formula variant is the AUC reference; the ratios are to the
 # fastest torch configuration of the same model in the same run. The targets' configurations (the
-# headline hybrid, the synchronous reference, the fused baseline that won every recent run) run
-# every repeat; the configurations that only give context run once, so that `make bench` fits its
-# 30 minutes (docs/benchmarks.md, "Sizes and time budget").
+# headline hybrid, the synchronous reference, the fused baseline, the faster of the two in most
+# runs) run every repeat; the configurations that only give context run once, so that `make bench`
+# fits its 30 minutes (docs/benchmarks.md, "Sizes and time budget").
 _SYSTEMS_MLP400 = (
     SystemPlan("torch", threads=2, repeats=1),  # the AUC reference
     SystemPlan("torch", threads=2, fused=True),
