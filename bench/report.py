@@ -297,11 +297,12 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "rows and is there for throughput only. The configurations a target is computed from run every "
         "repeat; those that give context run once, as the *ok runs* column shows: the PS-formula and "
         "TorchRec baselines where the fused baseline is the fastest, stale reads (`no-replay`) and the "
-        "colocated PS, and the path CPU of the other throughput targets. The colocated PS's path CPU is "
-        "not part of the profile (`python -m bench.path_cpu --colocate-ps` measures it). Other processes "
-        "on the machine change throughput; the "
-        "repeats are interleaved so that such load hits every system alike, and the *load* column says "
-        "when it happened.\n"
+        "colocated PS, and the path CPU of the other throughput targets. "
+        + ("" if (doc.get("path_cpu_colocated") or {}).get("status") == "ok" else
+           "The colocated PS's path CPU is not part of the profile (`python -m bench.path_cpu --colocate-ps` "
+           "measures it). ")
+        + "Other processes on the machine change throughput; the repeats are interleaved so that such load "
+        "hits every system alike, and the *load* column says when it happened.\n"
     )
     return "\n".join(out)
 

@@ -108,15 +108,23 @@ def test_tuner_picks_one_thread_where_it_steps_faster():
 
 
 def test_an_evaluation_inside_a_block_does_not_decide_the_count():
-    """Steps 10-14 calibrate, then blocks of 15 steps: 2 1 1 2 ... A 2 s evaluation before step 27,
-    in the first 1-thread block, would have made that block's mean 0.15 s per step and 2 threads
+    """Steps 10-14 calibrate, then blocks of 15 steps: 2 1 1 2 ... A 2 s evaluation before step 35,
+    in the first 1-thread block (steps 30-44), made that block's mean 0.15 s per step and 2 threads
     the choice."""
-    sim = Sim({2: 0.021, 1: 0.019}, pauses={27: 2.0, 12: 2.0})  # one in calibration too
+    sim = Sim({2: 0.021, 1: 0.019}, pauses={35: 2.0})
     tuner = _tuner(sim, TuningPlan((2, 1), start_step=10, calibration_steps=5, min_block_s=0.3, rounds=2))
     sim.run(tuner, 15 + 8 * 15)
-    assert tuner.block == 15  # calibrated on the steps, not on the evaluation
+    assert tuner.block == 15 and sim.applied[:2] == [2, 1]  # the evaluation fell in a 1-thread block
     assert tuner.chosen == 1
-    assert tuner.samples[1] == pytest.approx([0.019] * 4)
+    assert tuner.samples[1] == pytest.approx([0.019] * 4) and tuner.samples[2] == pytest.approx([0.021] * 4)
+
+
+def test_an_evaluation_during_calibration_does_not_shorten_the_blocks():
+    """Calibrated on a 2 s evaluation, the step looked 0.4 s long and the blocks became 3 steps."""
+    sim = Sim({2: 0.021, 1: 0.019}, pauses={12: 2.0})
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=10, calibration_steps=5, min_block_s=0.3, rounds=2))
+    sim.run(tuner, 15)
+    assert tuner.block == 15  # 0.3 s of 21 ms steps
 
 
 def test_a_count_clearly_slower_in_its_first_block_is_dropped_at_once():
