@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo serve-demo test test-scenarios test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc crds chart lint images images-check images-lock e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-scenarios test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc bench-gpu crds chart lint images images-check images-lock e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,10 @@ bench: $(BENCH_STAMP) bench-ps
 ## Only the CPU per training sample of each role (bench/path_cpu.py; bench/results/path_cpu.json).
 bench-path: $(STAMP)
 	$(PY) -m bench.path_cpu
+
+## On a machine with a CUDA GPU: the NN worker on the GPU against torch on the GPU (bench/gpu_bench.py).
+bench-gpu: $(STAMP)
+	$(PY) -m bench.gpu_bench --output bench/results/gpu
 
 ## CPU of one call on our gRPC layer against a plain TCP round trip of the same bytes (seconds).
 bench-rpc: $(STAMP)

@@ -74,6 +74,8 @@ def example_settings(spec: RunSpec) -> ExampleSettings:
         embedding_lr=spec.embedding_lr,
         staleness=staleness_of(spec),
         reproducible=False,
+        device=spec.device,
+        mixed_precision=spec.mixed_precision,
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 System = Literal["torch", "torchrec", "persia-hybrid", "persia-sync"]
 # The default hybrid setting: PERSIA's examples' bound, with the runtime's defaults (the NN worker
@@ -56,6 +56,17 @@ class RunSpec(BaseModel):
     # runtime's default); False: stale reads, as PERSIA trains (and the staleness ramp they need)
     replay: bool = True
     timeout_s: float = Field(default=600.0, gt=0)
+    # where the dense model trains (our NN worker, or the whole torch baseline: its embedding table
+    # too, as a torch user with a GPU would); bench/gpu_bench.py runs "cuda"
+    device: Literal["cpu", "cuda"] = "cpu"
+    mixed_precision: bool = False  # our system only: TrainCtx(mixed_precision=True), CUDA only
+
+    @model_validator(mode="after")
+    def _mixed_precision_where_supported(self) -> "RunSpec":
+        if self.mixed_precision and (self.device != "cuda" or not self.system.startswith("persia")):
+            raise ValueError(f"mixed_precision=True needs device='cuda' and our system, got device={self.device!r} "
+                             f"system={self.system!r}")
+        return self
 
     @property
     def effective_staleness(self) -> int | None:
@@ -69,8 +80,9 @@ class RunSpec(BaseModel):
     @property
     def label(self) -> str:
         """Short name of the configuration (what the median groups by: everything but the seed)."""
+        where = (" cuda" if self.device == "cuda" else "") + (" amp" if self.mixed_precision else "")
         if self.system.startswith("persia"):
             return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers,
-                                self.nn_threads, self.colocate_ps, self.replay)
+                                self.nn_threads, self.colocate_ps, self.replay) + where
         fused = " fused" if self.fused else ""
-        return f"{self.system}{fused} threads={self.threads}"
+        return f"{self.system}{fused} threads={self.threads}{where}"

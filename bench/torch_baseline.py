@@ -82,7 +82,7 @@ class FusedEmbeddingModel(nn.Module):
     def forward(self, dense: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         bs = rows.shape[0]
         flat = rows.reshape(-1)
-        offsets = torch.arange(0, flat.numel(), dtype=torch.int64)  # one ID per (sample, slot) bag
+        offsets = torch.arange(0, flat.numel(), dtype=torch.int64, device=flat.device)  # one ID per (sample, slot) bag
         pooled = self.embedding(flat, offsets).reshape(bs, NUM_SLOTS * EMBEDDING_DIM)
         return self.tower.forward_flat(dense, pooled)
 
@@ -97,16 +97,21 @@ def embedding_optimizer(weight: torch.Tensor, lr: float, fused: bool) -> torch.o
 
 class TorchBaseline:
     def __init__(self, spec: RunSpec):
+        if spec.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("device='cuda' but torch sees no CUDA device")
+        self.device = torch.device(spec.device)
         self.index = VocabIndex(load_vocab(spec.data_dir))
-        self.model = FusedEmbeddingModel(self.index.num_rows, parse_hidden(spec.mlp), self.index.oov_rows)
+        self.model = FusedEmbeddingModel(self.index.num_rows, parse_hidden(spec.mlp), self.index.oov_rows).to(self.device)
         self.sparse_opt = embedding_optimizer(self.model.embedding.weight, spec.embedding_lr, spec.fused)
         self.dense_opt = make_dense_optimizer(self.model.tower.parameters(), spec.dense_optimizer, spec.dense_lr, fused=spec.fused)
 
     def _tensors(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.from_numpy(batch.dense), torch.from_numpy(self.index.rows(batch.ids))
+        return (torch.from_numpy(batch.dense).to(self.device),
+                torch.from_numpy(self.index.rows(batch.ids)).to(self.device))
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return (*self._tensors(batch), torch.from_numpy(batch.label))
+        """The epoch in the device's memory before the clock starts."""
+        return (*self._tensors(batch), torch.from_numpy(batch.label).to(self.device))
 
     def train_step(self, inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> float:
         dense, rows, label = inputs
@@ -122,7 +127,7 @@ class TorchBaseline:
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
         dense, rows = self._tensors(batch)
-        return self.model(dense, rows).numpy()
+        return self.model(dense, rows).cpu().numpy()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = "torch.optim.Adagrad (sparse) + Adam(fused=True)"
     else:
         optimizer = "SparseAdagrad (torch.optim.Adagrad formula + weight clip, as the PS)"
-    result = run_training(spec, TorchBaseline, extra={"embedding_optimizer": optimizer})
+    result = run_training(spec, TorchBaseline, extra={"embedding_optimizer": optimizer, "device": spec.device})
+    if spec.device == "cuda":
+        mb = 1024 * 1024
+        result["gpu_memory_mb"] = {"allocated": torch.cuda.max_memory_allocated() / mb,
+                                   "reserved": torch.cuda.max_memory_reserved() / mb}
     print(format_result_line(result), flush=True)
     return 0
 

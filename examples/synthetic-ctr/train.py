@@ -1,7 +1,9 @@
 """PERSIA NN worker: one epoch of the synthetic CTR model, test AUC at a few points and at the end.
 
 Prints ``PERSIA_RESULT {json}`` (rank 0) for the benchmark runner. Staleness comes from
-``EMBEDDING_STALENESS`` (1 = the synchronous reference), batch ordering from ``REPRODUCIBLE``.
+``EMBEDDING_STALENESS`` (1 = the synchronous reference), batch ordering from ``REPRODUCIBLE``, the
+dense model's device from ``SYNTHETIC_CTR_DEVICE`` (``cuda``: the local rank's GPU) and
+``SYNTHETIC_CTR_MIXED_PRECISION``.
 """
 
 import math
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from persia.ctx import TrainCtx, eval_ctx
 from persia.data import DataLoader, IterableDataset, StreamingDataset
 from persia.embedding.optim import Adagrad
-from persia.env import get_rank, get_world_size
+from persia.env import get_local_rank, get_rank, get_world_size
 
 from batches import to_persia_batch
 from synthetic_ctr.manifest import load_manifest
@@ -41,9 +43,26 @@ def evaluate(model, settings: ExampleSettings, rows: int | None) -> tuple[float,
     with eval_ctx(model=model) as ctx:
         for batch in DataLoader(TestDataset(settings, rows)):
             output, batch_labels = ctx.forward(batch)
-            probs.append(output.detach().numpy().reshape(-1))
-            labels.append(batch_labels[0].numpy().reshape(-1))
+            probs.append(output.detach().cpu().numpy().reshape(-1))
+            labels.append(batch_labels[0].cpu().numpy().reshape(-1))
     return auc_and_logloss(np.concatenate(labels), np.concatenate(probs))
+
+
+def device_id_of(settings: ExampleSettings) -> int | None:
+    """The local rank's GPU (ranks share the GPUs round-robin), or None for the CPU."""
+    if settings.device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        raise SystemExit("SYNTHETIC_CTR_DEVICE=cuda but torch sees no CUDA device")
+    return (get_local_rank() or 0) % torch.cuda.device_count()
+
+
+def gpu_memory_mb(device_id: int | None) -> dict[str, float] | None:
+    if device_id is None:
+        return None
+    mb = 1024 * 1024
+    return {"allocated": torch.cuda.max_memory_allocated(device_id) / mb,
+            "reserved": torch.cuda.max_memory_reserved(device_id) / mb}
 
 
 def main() -> None:
@@ -53,6 +72,7 @@ def main() -> None:
     train_rows = min(settings.train_rows or math.inf, load_manifest(settings.data_dir).split("train").rows)
     marks = set(eval_schedule(math.ceil(train_rows / settings.batch_size / world_size), settings.eval_points))
 
+    device_id = device_id_of(settings)
     model = CTRTower(parse_hidden(settings.mlp))
     # torch's fused kernel: the same formula in one pass over all parameters (what the fastest
     # torch baseline uses; the single-tensor default reads every Adam state tensor ~10 times)
@@ -64,7 +84,8 @@ def main() -> None:
         model=model,
         embedding_optimizer=embedding_optimizer,
         dense_optimizer=dense_optimizer,
-        mixed_precision=False,
+        device_id=device_id,
+        mixed_precision=settings.mixed_precision,
     ) as ctx:
         loader = DataLoader(
             StreamingDataset(buffer_size=10),
@@ -102,6 +123,9 @@ def main() -> None:
                     "staleness": settings.staleness,
                     "world_size": world_size,
                     "threads": torch.get_num_threads(),
+                    "device": settings.device,
+                    "mixed_precision": settings.mixed_precision,
+                    "gpu_memory_mb": gpu_memory_mb(device_id),
                     "peak_rss_mb": {"nn-worker": peak_rss_mb()},
                 }
             ),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +27,8 @@ ENV_NAMES: dict[str, str] = {
     "embedding_lr": "SYNTHETIC_CTR_EMBEDDING_LR",
     "staleness": "EMBEDDING_STALENESS",
     "reproducible": "REPRODUCIBLE",
+    "device": "SYNTHETIC_CTR_DEVICE",
+    "mixed_precision": "SYNTHETIC_CTR_MIXED_PRECISION",
 }
 
 
@@ -45,6 +48,10 @@ class ExampleSettings(BaseModel):
     embedding_lr: float = Field(default=1e-2, gt=0)
     staleness: int = Field(default=10, ge=1)
     reproducible: bool = False
+    # where the NN worker trains the dense model ("cuda": its local rank's GPU); the embeddings
+    # stay on the PS either way
+    device: Literal["cpu", "cuda"] = "cpu"
+    mixed_precision: bool = False  # float16 autocast + GradScaler; CUDA only
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ExampleSettings:
