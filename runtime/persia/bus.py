@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 DEFAULT_NATS_URL = "nats://persia_nats_service:4222"
 BUSY_MAX_BACKOFF = 0.02
 WAITING_REPORT_S = 30.0
+# a request retried this long (a peer not up yet, or busy) says so in the log, then every
+# WAITING_REPORT_S, so a role waiting out a 600 s discovery deadline is never silent
+WAITING_FIRST_REPORT_S = 10.0
 BUSY = object()
 """Return this from a handler to answer "busy, retry later"."""
 
@@ -210,7 +213,9 @@ class NatsBus:
         max_backoff: float = 0.5,
         what: str | None = None,
     ) -> Any:
-        end = time.monotonic() + deadline_s
+        started = time.monotonic()
+        end = started + deadline_s
+        report_at = started + WAITING_FIRST_REPORT_S
         backoff = first_backoff
         last: Exception | None = None
         while True:
@@ -226,8 +231,13 @@ class NatsBus:
             # A busy peer has usually already held the request for a while (long poll), so the
             # retry comes soon; a missing peer (not started yet) is polled more slowly.
             wait = min(backoff, BUSY_MAX_BACKOFF) if isinstance(last, BusyError) else backoff
-            if time.monotonic() + wait > end:
-                kind = "busy" if isinstance(last, BusyError) else type(last).__name__
+            now = time.monotonic()
+            kind = "busy" if isinstance(last, BusyError) else type(last).__name__
+            if now >= report_at and now + wait <= end:
+                log.warning("%s: no successful reply after %.0fs (last: %s); still trying, for up to %.0fs more",
+                            what or subj, now - started, kind, end - now)
+                report_at = now + WAITING_REPORT_S
+            if now + wait > end:
                 raise BusyError(
                     f"{what or subj}: no successful reply within {deadline_s:.0f}s (last: {kind})"
                 ) from last

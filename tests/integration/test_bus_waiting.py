@@ -1,0 +1,48 @@
+"""A request retried while its peer is away says so in the log, well before its deadline: a role
+waiting out a 600 s discovery deadline (a PS that never starts, an NN rank that never answers) is
+never silent. Real nats-server, nobody serving the subject."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from persia import bus as bus_module
+from persia.bus import BusyError, NatsBus, subject
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_request_nobody_answers_is_reported_while_it_waits(persia_env, monkeypatch, caplog):
+    monkeypatch.setattr(bus_module, "WAITING_FIRST_REPORT_S", 0.3)
+    monkeypatch.setattr(bus_module, "WAITING_REPORT_S", 0.5)
+    member = NatsBus(name="loader")
+    try:
+        caplog.set_level(logging.WARNING, logger="persia.bus")
+        started = time.monotonic()
+        with pytest.raises(BusyError, match="waiting for NN workers: no successful reply within 2s"):
+            member.request_retry(subject("nn", "info"), None, deadline_s=2.0, timeout=0.2, max_backoff=0.1,
+                                 what="waiting for NN workers")
+        elapsed = time.monotonic() - started
+    finally:
+        member.close()
+    notes = [r.getMessage() for r in caplog.records if "no successful reply after" in r.getMessage()]
+    assert notes, "no log line while waiting"
+    assert notes[0].startswith("waiting for NN workers: no successful reply after 0s (last: NoRespondersError)")
+    assert "still trying, for up to 2s more" in notes[0] or "still trying, for up to 1s more" in notes[0]
+    # the first after 0.3 s, then every 0.5 s until the 2 s deadline: a few, not one per retry
+    assert 2 <= len(notes) <= 5, notes
+    assert elapsed < 3.0
+
+
+def test_a_prompt_answer_logs_nothing(persia_env, caplog):
+    member = NatsBus(name="server")
+    try:
+        member.serve(subject("nn", "info"), lambda _obj: {"world_size": 1})
+        caplog.set_level(logging.WARNING, logger="persia.bus")
+        assert member.request_retry(subject("nn", "info"), None, deadline_s=5.0)["world_size"] == 1
+    finally:
+        member.close()
+    assert not [r for r in caplog.records if "no successful reply" in r.getMessage()]
