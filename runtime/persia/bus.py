@@ -38,6 +38,8 @@ WAITING_REPORT_S = 30.0
 WAITING_FIRST_REPORT_S = 10.0
 BUSY = object()
 """Return this from a handler to answer "busy, retry later"."""
+WOULD_BLOCK = object()
+"""Return this from a ``serve(..., try_first=)`` handler: the blocking handler takes the message."""
 
 
 def nats_url() -> str:
@@ -262,6 +264,7 @@ class NatsBus:
         queue: str = "",
         blocking: bool = True,
         schema: Any = None,
+        try_first: Callable[[Any], Any] | None = None,
     ) -> Any:
         """Answer requests on ``subj`` with ``handler(obj)``.
 
@@ -271,6 +274,9 @@ class NatsBus:
         against the job secret first when one is set. ``blocking`` handlers run on the bus's
         thread pool so they may wait (e.g. for buffer space) without stalling other subscriptions;
         messages of one subscription are still handled in order, which keeps per-sender ordering.
+        ``try_first``: a variant of a blocking handler that never waits, run on the loop thread
+        first; only when it returns :data:`WOULD_BLOCK` does the message go to the pool (a hand-off
+        to another thread and back saved on every message that finds room at once).
         """
         from persia.messages import MessageError, validate
 
@@ -281,7 +287,10 @@ class NatsBus:
                 if checker is not None:
                     checker.check(msg.subject, msg.data, (msg.headers or {}).get(SIGNATURE_HEADER))
                 obj = validate(schema, decode(msg.data), subj)
-                if blocking:
+                result = WOULD_BLOCK if try_first is None else try_first(obj)
+                if result is not WOULD_BLOCK:
+                    pass
+                elif blocking:
                     result = await self._loop.run_in_executor(self._executor, handler, obj)
                 else:
                     result = handler(obj)

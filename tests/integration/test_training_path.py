@@ -307,3 +307,20 @@ def test_retried_sends_are_not_duplicated(persia_env):
     assert ds._on_batch(msg) == {"queued": True}
     assert ds._on_batch(msg) == {"queued": True, "duplicate": True}
     assert ds._queue.qsize() == 1
+
+
+def test_a_batch_takes_the_fast_path_only_when_the_buffer_has_room():
+    """``_on_batch_now`` (run on the bus's loop thread) queues a batch when there is room, and
+    otherwise hands it to ``_on_batch`` (which waits) without marking it seen, so it is not
+    answered as a duplicate there."""
+    from persia.bus import BUSY, WOULD_BLOCK
+    from persia.data import StreamingDataset
+
+    ds = StreamingDataset(1, busy_wait_s=0.05)
+    assert ds._on_batch_now({"loader": 0, "batch_id": 1}) == {"queued": True}
+    assert ds._on_batch_now({"loader": 0, "batch_id": 2}) is WOULD_BLOCK  # full: no wait here
+    assert ds._on_batch({"loader": 0, "batch_id": 2}) is BUSY  # the pool waited busy_wait_s in vain
+    ds._queue.get_nowait()
+    assert ds._on_batch({"loader": 0, "batch_id": 2}) == {"queued": True}  # not taken for a duplicate
+    assert ds._on_batch_now({"loader": 0, "batch_id": 1}) == {"queued": True, "duplicate": True}
+    assert ds._state.delivered[0] == 2

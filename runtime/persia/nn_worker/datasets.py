@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from persia.bus import BUSY, subject
+from persia.bus import BUSY, WOULD_BLOCK, subject
 from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.resume import loader_count_error
 from persia import messages as M
@@ -117,7 +117,8 @@ class StreamingDataset(IterableDatasetBase):
     def _register(self, bus, rank: int, owner=None) -> _RankStream:
         state = self._state = _stream_state(rank, owner)
         self._subs = [
-            bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch),
+            bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch,
+                      try_first=self._on_batch_now),
             bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
         ]
         bus.flush()
@@ -138,10 +139,11 @@ class StreamingDataset(IterableDatasetBase):
                 except queue.Empty:
                     break
 
-    def _offer(self, item: tuple) -> bool:
+    def _offer(self, item: tuple, wait: bool = True) -> bool:
         """Queue ``item``, waiting up to ``busy_wait_s`` for room (woken by the consumer, not by
-        polling: a data loader ahead of training keeps a request waiting here for every batch)."""
-        end = time.monotonic() + self.busy_wait_s
+        polling: a data loader ahead of training keeps a request waiting here for every batch);
+        ``wait=False``: only if there is room now."""
+        end = time.monotonic() + (self.busy_wait_s if wait else 0.0)
         with self._space:
             while True:
                 if self._closed:
@@ -156,20 +158,25 @@ class StreamingDataset(IterableDatasetBase):
                     return False
                 self._space.wait(left)
 
-    def _on_batch(self, msg: dict) -> Any:
+    def _on_batch(self, msg: dict, wait: bool = True) -> Any:
         # a restarted data loader counts its ids from 0 again: its session tells its batches apart
         key = (int(msg.get("loader", 0)), msg.get("session"), int(msg["batch_id"]))
         with self._lock:
             if key in self._state.seen:  # a retried send whose first reply was lost: train it once
                 return {"queued": True, "duplicate": True}
             self._state.seen.add(key)
-        if self._offer(("batch", msg)):
+        if self._offer(("batch", msg), wait):
             with self._state.lock:
                 self._state.delivered[key[0]] += 1
             return {"queued": True}
         with self._lock:
             self._state.seen.discard(key)
-        return BUSY
+        return BUSY if wait else WOULD_BLOCK
+
+    def _on_batch_now(self, msg: dict) -> Any:
+        """``_on_batch`` on the bus's loop thread when the buffer has room (most batches): no
+        hand-off to a pool thread; a full buffer passes the batch to ``_on_batch``, which waits."""
+        return self._on_batch(msg, wait=False)
 
     def _on_eos(self, msg: dict) -> Any:
         # Checked here so a bad one is refused to its sender instead of stopping the trainer.

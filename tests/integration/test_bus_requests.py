@@ -1,6 +1,7 @@
-"""A request retried while its peer is away says so in the log, well before its deadline: a role
-waiting out a 600 s discovery deadline (a PS that never starts, an NN rank that never answers) is
-never silent. Real nats-server, nobody serving the subject."""
+"""Requests over the bus, on a real nats-server: a request retried while its peer is away says so in
+the log well before its deadline (a role waiting out a 600 s discovery deadline, for a PS that never
+starts or an NN rank that never answers, is never silent), and a served subject's non-blocking fast
+path (``try_first``)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,35 @@ def test_a_prompt_answer_logs_nothing(persia_env, caplog):
     finally:
         member.close()
     assert not [r for r in caplog.records if "no successful reply" in r.getMessage()]
+
+
+def test_try_first_answers_on_the_loop_and_hands_over_when_it_would_block(persia_env):
+    """``serve(try_first=)``: the non-blocking variant answers when it can; WOULD_BLOCK passes the
+    message to the blocking handler on the pool, in order."""
+    import threading
+
+    from persia.bus import WOULD_BLOCK
+
+    member = NatsBus(name="server")
+    seen: list[tuple[str, int, str]] = []
+
+    def now(obj):
+        if obj["n"] % 2:
+            return WOULD_BLOCK
+        seen.append(("now", obj["n"], threading.current_thread().name))
+        return {"n": obj["n"], "by": "now"}
+
+    def blocking(obj):
+        seen.append(("pool", obj["n"], threading.current_thread().name))
+        return {"n": obj["n"], "by": "pool"}
+
+    try:
+        member.serve(subject("nn", "batch", 0), blocking, try_first=now)
+        replies = [member.request(subject("nn", "batch", 0), {"n": n}) for n in range(4)]
+    finally:
+        member.close()
+    assert [r["by"] for r in replies] == ["now", "pool", "now", "pool"]
+    assert [n for _, n, _ in seen] == [0, 1, 2, 3]
+    loop_threads = {t for kind, _, t in seen if kind == "now"}
+    pool_threads = {t for kind, _, t in seen if kind == "pool"}
+    assert loop_threads.isdisjoint(pool_threads)  # the fast path ran on the loop, not the pool
