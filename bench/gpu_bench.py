@@ -134,7 +134,7 @@ def markdown(summary: list[dict[str, Any]], keys: list[str]) -> str:
         lines.append(f"| {row['mlp']} | {row['label']} | {row['ok_runs']}/{row['runs']} | {cell} | {auc} | {mem_cell} |")
     for key, r in ratios(summary, keys).items():
         parts = [f"{name} {value:.3f}" for name, value in r.items() if value is not None]
-        lines.append(f"\n{key}: " + (", ".join(parts) if parts else "no ratio (a side failed)"))
+        lines.append(f"\n{key}: " + (", ".join(parts) if parts else "no ratio (a side failed or did not run)"))
     return "\n".join(lines)
 
 
