@@ -47,3 +47,41 @@ def test_header_cannot_request_unsupported_dtypes():
     payload = b"PW1\x00" + struct.pack("<I", len(header)) + header + b"\0" * 64
     with pytest.raises(WireError, match="unsupported dtype"):
         decode(payload)
+
+
+def test_encoding_is_byte_for_byte_stable():
+    """What a peer of the previous release sends and expects: a fixed tree's exact bytes."""
+    import hashlib
+
+    tree = {"a": np.arange(5, dtype=np.int32), "t": (1, 2.5, "x", None, True), "g": np.float32(0.5),
+            "n": [{"b": b"\x01", "e": np.zeros((0, 3), np.float64)}]}
+    payload = encode(tree)
+    assert hashlib.sha256(payload).hexdigest()[:16] == "545224d7ae404bc5"  # the encoding before the msgpack hooks
+    out = decode(payload)
+    assert out["t"] == [1, 2.5, "x", None, True] and out["g"] == 0.5 and out["n"][0]["e"].shape == (0, 3)
+
+
+def test_malformed_array_references_are_wire_errors():
+    import struct
+
+    import msgpack
+
+    def payload(ref):
+        header = msgpack.packb({"a": ref})
+        head = b"PW1\x00" + struct.pack("<I", len(header)) + header
+        return head + b"\0" * ((-len(head)) % 64) + b"\0" * 64
+
+    good = {"__nd__": 0, "dt": "<f4", "sh": [4], "off": 0}
+    assert decode(payload(good))["a"].shape == (4,)
+    for bad, match in (({**good, "sh": [-1]}, "negative array shape"),
+                       ({**good, "sh": [1000]}, "out of range"),
+                       ({**good, "off": -64}, "out of range"),
+                       ({k: v for k, v in good.items() if k != "sh"}, "corrupt payload header"),
+                       ({**good, "sh": ["x"]}, "corrupt payload header")):
+        with pytest.raises(WireError, match=match):
+            decode(payload(bad))
+
+
+def test_unknown_objects_are_refused_by_name():
+    with pytest.raises(TypeError, match="'object'"):
+        encode({"a": object()})
