@@ -131,3 +131,23 @@ def test_nn_threads_reach_the_launcher_only_when_set():
     assert "--nn-threads" not in argv  # the launcher's own thread budget
     with pytest.raises(ValueError, match="nn_threads"):
         RunSpec(system="persia-hybrid", data_dir="d", nn_threads=0)
+
+
+def test_the_example_data_loader_imports_no_torch():
+    """Its settings and batches are torch-free, so each data loader process skips torch's import
+    (about 1.8 s of start-up on 2 cores) and its memory."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from bench._paths import EXAMPLE_DIR, child_env
+
+    code = textwrap.dedent("""
+        import runpy, sys
+        runpy.run_path(sys.argv[1], run_name="not_main")  # the script's imports, not its stream
+        assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))[:3]
+        print("ok")
+    """)
+    got = subprocess.run([sys.executable, "-c", code, str(EXAMPLE_DIR / "data_loader.py")], env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr[-2000:]

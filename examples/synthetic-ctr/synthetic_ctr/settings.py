@@ -10,7 +10,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from synthetic_ctr.training import DenseOptimizer
+
+# the dense optimizers the scripts know (synthetic_ctr.training builds them); here, not there, so
+# that the data loader, which reads these settings, does not import torch (1.8 s of start-up)
+DenseOptimizer = Literal["adam", "sgd"]
 
 # field -> environment variable (EMBEDDING_STALENESS and REPRODUCIBLE are PERSIA's example names)
 ENV_NAMES: dict[str, str] = {

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import math
 import resource
-from typing import Literal
 
 import numpy as np
 import torch
 
 from synthetic_ctr.metrics import binary_log_loss, rank_auc
+from synthetic_ctr.settings import DenseOptimizer
 
-DenseOptimizer = Literal["adam", "sgd"]
 DEFAULT_DENSE_OPTIMIZER: DenseOptimizer = "adam"
 DEFAULT_DENSE_LR = {"adam": 1e-3, "sgd": 0.1}
 EMBEDDING_LR = 1e-2  # PERSIA's Adagrad default, as in its adult-income example
