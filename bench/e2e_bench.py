@@ -391,8 +391,9 @@ def run_profile(
     only_latency: bool = False,
     models: set[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the profile (or, with ``only_latency``, its latency part, merged into the runs.json
-    already in ``results_dir``), write runs.json and the report."""
+    """Run the profile (or, with ``only_latency``, its latency part, or with ``models`` those model
+    groups alone, merged into the runs.json already in ``results_dir``), write runs.json and the
+    report."""
     t0 = time.perf_counter()
     results_dir.mkdir(parents=True, exist_ok=True)
     data_dir = data_dir or results_dir / "data" / profile.name
@@ -405,7 +406,8 @@ def run_profile(
     log(f"machine: {machine_probe.describe(machine)}")
     persia_reason = None
     launcher = None
-    parts = frozenset({"latency"} if only_latency else {"models", "latency"})
+    # --models re-runs some model groups into the last full run (merge_models); latency has its own
+    parts = frozenset({"latency"} if only_latency else {"models"} if models is not None else {"models", "latency"})
     planned = plan(profile, str(data_dir), systems, parts, models)
     wants_persia = any(p.spec.system.startswith("persia") for p in planned)
     if wants_persia and (systems is None or any(s.startswith("persia") for s in systems)):
@@ -417,8 +419,11 @@ def run_profile(
     runs: list[dict[str, Any]] = []
     skip_reason: dict[tuple[str, str], str] = {}
     logs_dir = results_dir / "logs"
-    for old in logs_dir.glob("latency-*.log" if only_latency else "*.log"):  # a previous run's would read as this run's
-        old.unlink()
+    stale = (["latency-*.log"] if only_latency else [f"*-{m}-*.log" for m in sorted(models)] if models is not None
+             else ["*.log"])
+    for pattern in stale:  # a previous run's would read as this run's
+        for old in logs_dir.glob(pattern):
+            old.unlink()
     for i, p in enumerate(planned):
         spec = p.spec
         key = (spec.system, p.group)
@@ -472,7 +477,7 @@ def run_profile(
                 path_cpu_targets[t.target] = path(t.rows, min(t.pairs, profile.repeats), t.batch_size, t.mlp)
 
     adult: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
-    if profile.adult_income and not only_latency:
+    if profile.adult_income and not only_latency and models is None:
         if systems is not None and not any(s.startswith("persia") for s in systems):
             adult = {"status": "skipped", "reason": "not run: --systems leaves out our system"}
         elif launcher is None:
@@ -517,6 +522,8 @@ def run_profile(
             log(f"no earlier {results_dir / 'runs.json'}: latency figures go to e2e.json only, docs untouched")
             report_docs = None
         doc = merge_latency(results_dir / "runs.json", doc)
+    elif models is not None:
+        doc = merge_models(results_dir / "runs.json", doc)
     (results_dir / "runs.json").write_text(json.dumps(doc, indent=1, default=_jsonable) + "\n")
     from bench.report import write_report  # late: matplotlib only when reporting
 
@@ -545,6 +552,22 @@ def merge_latency(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
             "latency_updated": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
+def merge_models(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` (a ``--models`` run: some model groups, and the latency runs unless left out) merged
+    into the previous runs.json: the groups it ran replace theirs, every other group, the path CPU
+    and adult-income result are kept, and each replaced group records when and on what machine it
+    was measured (``groups_updated``), so the report can say which figures come from another run.
+    Without a previous file, ``doc`` alone."""
+    if not previous.is_file():
+        return doc
+    old = json.loads(previous.read_text())
+    ran = {r["mlp"] for r in doc["runs"]}
+    kept = [r for r in old.get("runs", []) if r.get("mlp") not in ran]
+    stamp = {"at": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": doc["machine"]}
+    updated = {**(old.get("groups_updated") or {}), **{group: stamp for group in sorted(ran)}}
+    return {**old, "runs": kept + doc["runs"], "groups_updated": updated}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", choices=sorted(PROFILES), default="full")
@@ -561,7 +584,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help="dataset directory (default: <results>/data/<profile>)")
     p.add_argument("--systems", help="comma list to run only these: torch,torchrec,persia-hybrid,persia-sync")
     p.add_argument("--repeats", type=int, help="override the profile's repeats")
-    p.add_argument("--models", help="comma list of model groups to run (e.g. mlp400,mlp400_b1024); default all")
+    p.add_argument("--models", help="comma list of model groups to run again (e.g. mlp400,mlp400_b1024), merged into "
+                                    "the existing runs.json in place of theirs (no latency, path CPU or adult-income "
+                                    "runs); default: the whole profile")
     p.add_argument("--only-latency", action="store_true",
                    help="only the latency runs (make bench-latency), merged into the existing runs.json")
     a = p.parse_args(argv)

@@ -108,6 +108,17 @@ def _seed_gap(a: dict[str, Any], b: dict[str, Any] | None) -> float | None:
     return sum(a["auc_by_seed"][k] - b["auc_by_seed"][k] for k in seeds) / len(seeds) if seeds else None
 
 
+def later_run_note(doc: dict[str, Any], group: str) -> str:
+    """For a group re-run alone (``--models``, merged into an earlier run): when, and on what."""
+    stamp = (doc.get("groups_updated") or {}).get(group)
+    if not stamp:
+        return ""
+    probed = describe_machine(stamp.get("machine") or {})
+    return (f"These runs come from a later run of this group alone ({stamp.get('at', 'date not recorded')}, "
+            f"`--models`){f', on a machine with {probed}' if probed else ''}: compare them with each other, "
+            f"not with the other tables, the CPU per sample or the cores' bound, which come from the full run.\n")
+
+
 def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: dict[str, Any]) -> str:
     prof, data = doc["profile"], doc["data"]
     hybrid_name, sync_name = headline_labels(doc)
@@ -212,6 +223,7 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         base = baseline(summary, mlp)
         sync = by_label.get(sync_name)
         w(f"### {MODEL_TITLES.get(mlp, mlp)}\n")
+        w(later_run_note(doc, mlp))
         w(f"Ratios are to the fastest torch baseline (`{base['label'] if base else '—'}`).\n")
         w("| configuration | ok runs | samples/s (median) | min – max | ratio to baseline | test AUC (mean ± sd) | AUC − sync | wall s | load |")
         w("|---|---|---|---|---|---|---|---|---|")

@@ -96,3 +96,33 @@ def test_latency_section_and_plot_and_merge_keep_the_model_runs(tmp_path):
     assert "a wake-up round trip across CPUs 143 µs (8 µs on one CPU)" in section  # the latency runs' machine
     assert "latency_2ms" not in md[: md.index("### Network latency")]  # not among the models' tables
     assert (tmp_path / "docs" / "img" / "e2e_latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_models_run_replaces_only_its_groups_and_the_report_says_so(tmp_path):
+    """``--models``: the groups it ran replace theirs in runs.json; the others, the path CPU and
+    adult-income stay; the re-run group's section says it comes from a later run, and on what."""
+    from bench.e2e_bench import merge_models
+
+    doc = _doc()
+    doc["profile"]["models"].append({"mlp": "ffnn", "train_rows": 10, "test_rows": 5})
+    ffnn_old = [dict(r, mlp="ffnn") for r in doc["runs"] if r["status"] == "ok"]
+    doc["runs"] = doc["runs"] + ffnn_old
+    doc["path_cpu"] = {"status": "skipped", "reason": "the full run's"}
+    runs_file = tmp_path / "runs.json"
+    runs_file.write_text(json.dumps(doc))
+    assert merge_models(tmp_path / "none.json", doc) is doc  # nothing earlier: the run alone
+
+    probe = {"cpus": 2, "wake_round_trip_us_cross_cpu": 99.0, "wake_round_trip_us_same_cpu": 7.0}
+    ffnn_new = [dict(r, result=dict(r["result"], samples_per_sec=r["result"]["samples_per_sec"] * 2)) for r in ffnn_old]
+    merged = merge_models(runs_file, {**doc, "machine": probe, "runs": ffnn_new, "path_cpu": {"status": "skipped", "reason": "not part"}})
+    assert [r for r in merged["runs"] if r["mlp"] == "ffnn"] == ffnn_new  # replaced, not appended
+    assert [r for r in merged["runs"] if r["mlp"] == "mlp400"] == [r for r in doc["runs"] if r["mlp"] == "mlp400"]
+    assert merged["path_cpu"]["reason"] == "the full run's" and merged["machine"] == doc["machine"]
+    assert set(merged["groups_updated"]) == {"ffnn"} and merged["groups_updated"]["ffnn"]["machine"] == probe
+
+    write_report(merged, docs_dir=tmp_path / "docs", results_dir=tmp_path / "results")
+    md = (tmp_path / "docs" / "benchmarks.md").read_text()
+    ffnn = md[md.index("### FFNN"):]
+    assert "from a later run of this group alone" in ffnn[:600] and "across CPUs 99 µs" in ffnn[:600]
+    mlp = md[md.index("### MLP 400-400-400"):md.index("### FFNN")]
+    assert "later run" not in mlp
