@@ -323,6 +323,11 @@ def command_for(spec: RunSpec, launcher: str | None, delay_ms: float | None = No
     return argv, env
 
 
+def run_log_name(index: int, group: str, spec: RunSpec, prefix: str = "") -> str:
+    """The log file of one planned run: its place in the plan, its group, configuration and seed."""
+    return f"{prefix}{index:03d}-{group}-{spec.label.replace(' ', '_').replace('=', '')}-s{spec.seed}.log"
+
+
 def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Path) -> dict[str, Any]:
     """Run one command in its own session, sample its tree's memory, parse its PERSIA_RESULT."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -435,8 +440,7 @@ def run_profile(
             continue
         argv, env = command_for(spec, launcher, p.delay_ms)
         prefix = "latency-" if p.group.startswith("latency") else ""
-        name = f"{prefix}{i:03d}-{p.group}-{spec.label.replace(' ', '_').replace('=', '')}-s{spec.seed}.log"
-        rec = execute(argv, env, spec.timeout_s, logs_dir / name)
+        rec = execute(argv, env, spec.timeout_s, logs_dir / run_log_name(i, p.group, spec, prefix))
         rec = {**base, **rec}
         runs.append(rec)
         res = rec["result"] or {}
@@ -553,11 +557,11 @@ def merge_latency(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge_models(previous: Path, doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` (a ``--models`` run: some model groups, and the latency runs unless left out) merged
-    into the previous runs.json: the groups it ran replace theirs, every other group, the path CPU
-    and adult-income result are kept, and each replaced group records when and on what machine it
-    was measured (``groups_updated``), so the report can say which figures come from another run.
-    Without a previous file, ``doc`` alone."""
+    """``doc`` (a ``--models`` run: some model groups alone) merged into the previous runs.json:
+    the groups it ran replace theirs, every other group, the path CPU and adult-income result are
+    kept, and each replaced group records when and on what machine it was measured
+    (``groups_updated``), so the report can say which figures come from another run. Without a
+    previous file, ``doc`` alone."""
     if not previous.is_file():
         return doc
     old = json.loads(previous.read_text())

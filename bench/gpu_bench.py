@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.e2e_bench import command_for, execute, install_interrupt_handler
+from bench.e2e_bench import command_for, execute, install_interrupt_handler, run_log_name
 from bench.persia_local import find_launcher, launcher_unavailable_reason
 from bench.spec import DEFAULT_HYBRID_STALENESS, RunSpec
 from bench.summary import summarize
@@ -177,8 +177,7 @@ def run(planned: list[tuple[str, RunSpec]], output: Path, data_dir: Path, keys: 
     log(f"bench-gpu: {doc['machine']}; {len(planned)} runs")
     for i, (key, spec) in enumerate(planned):
         argv, env = command_for(spec, launcher)
-        name = f"{i:03d}-{key}-{spec.label.replace(' ', '_').replace('=', '')}-s{spec.seed}.log"
-        rec = execute(argv, env, spec.timeout_s, output / "logs" / name)
+        rec = execute(argv, env, spec.timeout_s, output / "logs" / run_log_name(i, key, spec))
         doc["runs"].append({"spec": spec.model_dump(), "label": spec.label, "mlp": key, "seed": spec.seed, **rec})
         res = rec["result"] or {}
         sps, auc = res.get("samples_per_sec"), res.get("auc")

@@ -30,6 +30,7 @@ from synthetic_ctr.schema import NUM_SLOTS
 from synthetic_ctr.training import (
     EMBEDDING_INIT,
     EMBEDDING_WEIGHT_BOUND,
+    gpu_memory_mb,
     make_dense_optimizer,
 )
 
@@ -140,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         optimizer = "SparseAdagrad (torch.optim.Adagrad formula + weight clip, as the PS)"
     result = run_training(spec, TorchBaseline, extra={"embedding_optimizer": optimizer, "device": spec.device})
-    if spec.device == "cuda":
-        mb = 1024 * 1024
-        result["gpu_memory_mb"] = {"allocated": torch.cuda.max_memory_allocated() / mb,
-                                   "reserved": torch.cuda.max_memory_reserved() / mb}
+    result["gpu_memory_mb"] = gpu_memory_mb(torch.device(spec.device))
     print(format_result_line(result), flush=True)
     return 0
 

@@ -23,7 +23,7 @@ from synthetic_ctr.model import CTRTower, parse_hidden
 from synthetic_ctr.reader import read_chunks
 from synthetic_ctr.results import format_result_line
 from synthetic_ctr.settings import ExampleSettings
-from synthetic_ctr.training import auc_and_logloss, eval_schedule, make_dense_optimizer, peak_rss_mb
+from synthetic_ctr.training import auc_and_logloss, eval_schedule, gpu_memory_mb, make_dense_optimizer, peak_rss_mb
 
 EVAL_BATCH_SIZE = 8192
 
@@ -55,14 +55,6 @@ def device_id_of(settings: ExampleSettings) -> int | None:
     if not torch.cuda.is_available():
         raise SystemExit("SYNTHETIC_CTR_DEVICE=cuda but torch sees no CUDA device")
     return (get_local_rank() or 0) % torch.cuda.device_count()
-
-
-def gpu_memory_mb(device_id: int | None) -> dict[str, float] | None:
-    if device_id is None:
-        return None
-    mb = 1024 * 1024
-    return {"allocated": torch.cuda.max_memory_allocated(device_id) / mb,
-            "reserved": torch.cuda.max_memory_reserved(device_id) / mb}
 
 
 def main() -> None:
@@ -125,7 +117,7 @@ def main() -> None:
                     "threads": torch.get_num_threads(),
                     "device": settings.device,
                     "mixed_precision": settings.mixed_precision,
-                    "gpu_memory_mb": gpu_memory_mb(device_id),
+                    "gpu_memory_mb": gpu_memory_mb(ctx.device),
                     "peak_rss_mb": {"nn-worker": peak_rss_mb()},
                 }
             ),

@@ -288,12 +288,9 @@ class NatsBus:
                     checker.check(msg.subject, msg.data, (msg.headers or {}).get(SIGNATURE_HEADER))
                 obj = validate(schema, decode(msg.data), subj)
                 result = WOULD_BLOCK if try_first is None else try_first(obj)
-                if result is not WOULD_BLOCK:
-                    pass
-                elif blocking:
-                    result = await self._loop.run_in_executor(self._executor, handler, obj)
-                else:
-                    result = handler(obj)
+                if result is WOULD_BLOCK:
+                    result = (await self._loop.run_in_executor(self._executor, handler, obj) if blocking
+                              else handler(obj))
                 reply = {"busy": True} if result is BUSY else {"ok": result}
             except (Unauthorized, MessageError) as exc:
                 _rejected(str(exc))

@@ -52,6 +52,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def gpu_memory_mb(device: torch.device) -> dict[str, float] | None:
+    """Peak GPU memory torch allocated and reserved on ``device``, MB; None on the CPU."""
+    if device.type != "cuda":
+        return None
+    mb = 1024 * 1024
+    return {"allocated": torch.cuda.max_memory_allocated(device) / mb,
+            "reserved": torch.cuda.max_memory_reserved(device) / mb}
+
+
 def set_threads(threads: int | None) -> int:
     """Pin torch's intra-op threads (one per core share: on 2 cores two processes with 2 threads
     each ran at less than half the speed of 1 thread each). Returns the count in effect."""
