@@ -166,6 +166,37 @@ def test_kernel_hash_is_the_engine_hash():
     np.testing.assert_array_equal(kernels.sign_hash(signs), ix.sign_hash(signs))
 
 
+@pytest.mark.parametrize("cfg", [OPTIMIZERS["adagrad-wd"], OPTIMIZERS["adam-wd"]], ids=["adagrad", "adam"])
+def test_one_update_call_across_shards_equals_a_call_per_shard(cfg):
+    """The store steps a batch in one kernel call over every shard it touches; the per-shard
+    calls it replaced (a stable partition, then one call per shard) leave the same weights,
+    state and index, promotions included: rows of different shards never interact."""
+    rng = np.random.default_rng(7)
+    signs = np.unique(rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64, endpoint=True))
+    one, per_shard = (EmbeddingStore(20_000, 16, use_kernel=True) for _ in range(2))
+    for s in (one, per_shard):
+        s.configure(HyperParameters(weight_bound=0.5))
+        s.register_optimizer(cfg)
+        s.lookup(signs, 8, train=True)
+        s.lookup(signs[::3], 8, train=True)  # newer stamps: promotions have something to do
+    for _ in range(3):
+        batch = rng.permutation(signs)[:2000]
+        grads = rng.standard_normal((batch.shape[0], 8)).astype(np.float32)
+        assert one.update(batch, grads) == 0
+        table = per_shard._tables[8]
+        bounds, q, g = kernels.partition(batch, grads, 16)
+        args = kernels.update_args(cfg, 0.5)
+        hit = np.zeros(batch.shape[0], dtype=bool)
+        for k in range(16):
+            kernels.update(table, q[bounds[k]:bounds[k + 1]], g[bounds[k]:bounds[k + 1]], args, hit[bounds[k]:bounds[k + 1]])
+        assert hit.all()
+    assert one.stats()["index_promotions"] > 0
+    a, b = one._tables[8], per_shard._tables[8]
+    np.testing.assert_array_equal(a.rows, b.rows)
+    np.testing.assert_array_equal(a.state, b.state)
+    np.testing.assert_array_equal(a.index, b.index)
+
+
 def test_partition_is_a_stable_sort_by_shard():
     rng = np.random.default_rng(1)
     signs = rng.integers(0, 2**64 - 1, 5000, dtype=np.uint64, endpoint=True)

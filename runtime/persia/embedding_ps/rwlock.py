@@ -1,29 +1,50 @@
-"""A readers-writer lock with writer preference, and ordered multi-lock helpers.
+"""Readers-writer locks over a store's internal shards, taken a set of shards at a time.
 
-Lookups share an internal shard (readers); updates, inserts, evictions and growth own it
-(writers). Writer preference keeps a stream of lookups from starving gradient updates. Deadlock
-freedom comes from one rule: whoever holds more than one shard lock took them in ascending shard
-order, and whoever waits while holding a lock holds only locks below the one it waits for.
+Lookups share the shards their IDs fall in (readers); updates, inserts, evictions and growth own
+them (writers). A training batch touches every shard, so most calls take all of them: one mutex
+guards every shard's counters, a call takes its whole set at once (all or nothing), and "every
+shard" is one counter, not one lock per shard (with 100 shards, a per-shard ``RWLock`` taken in
+order cost a Step call of the synthetic benchmark 300 lock round trips, more than its kernels).
+
+Writer preference keeps a stream of lookups from starving gradient updates: a writer waiting for
+a shard (or for all of them) holds back new readers of it. No call waits while holding shards, so
+there is no lock order to keep; the locks are not reentrant (a thread must not take shards it
+holds).
 """
 
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator
 
 
-class RWLock:
-    """``_sleepers`` counts threads in ``wait()``: a release wakes them only when there are any
-    (``notify_all`` on an empty condition still costs a Python-level call per release, and most
-    releases of a 2-core job's PS have nobody waiting)."""
+class ShardLocks:
+    """``n`` readers-writer locks; ``which=None`` (or every shard) is the whole-store mode."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"ShardLocks needs at least one shard, got {n}")
+        self.n = n
         self._cond = threading.Condition(threading.Lock())
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-        self._sleepers = 0
+        self._readers = [0] * n  # set-wise read holds per shard
+        self._writer = [False] * n  # shard owned by a set-wise writer
+        self._waiting = [0] * n  # set-wise writers waiting for the shard
+        self._shard_reads = 0  # sum of _readers
+        self._shard_writes = 0  # shards owned by set-wise writers
+        self._shard_waiting = 0  # sum of _waiting
+        self._all_readers = 0  # holders of every shard for reading
+        self._all_writer = False
+        self._all_waiting = 0  # writers waiting for every shard
+        self._sleepers = 0  # threads in wait(): a release wakes them only when there are any
+
+    def _shards(self, which: Iterable[int] | None) -> list[int] | None:
+        if which is None:
+            return None
+        ks = sorted(set(which))
+        if ks and (ks[0] < 0 or ks[-1] >= self.n):
+            raise IndexError(f"shard out of range [0, {self.n}): {ks[0] if ks[0] < 0 else ks[-1]}")
+        return None if len(ks) == self.n else ks
 
     def _wait(self) -> None:
         self._sleepers += 1
@@ -32,88 +53,104 @@ class RWLock:
         finally:
             self._sleepers -= 1
 
-    def acquire_read(self) -> None:
+    def _wake(self) -> None:
+        if self._sleepers:
+            self._cond.notify_all()
+
+    # -- readers --------------------------------------------------------------------------------
+    def _can_read(self, ks: list[int] | None) -> bool:
+        if self._all_writer or self._all_waiting:
+            return False
+        if ks is None:
+            return not self._shard_writes and not self._shard_waiting
+        return not any(self._writer[k] or self._waiting[k] for k in ks)
+
+    def acquire_read(self, which: Iterable[int] | None = None) -> list[int] | None:
+        """Share ``which`` (None: every shard); returns the token :meth:`release_read` takes."""
+        ks = self._shards(which)
         with self._cond:
-            while self._writer or self._waiting_writers:
+            while not self._can_read(ks):
                 self._wait()
-            self._readers += 1
+            if ks is None:
+                self._all_readers += 1
+            else:
+                for k in ks:
+                    self._readers[k] += 1
+                self._shard_reads += len(ks)
+        return ks
 
-    def release_read(self) -> None:
+    def release_read(self, ks: list[int] | None) -> None:
         with self._cond:
-            self._readers -= 1
-            if self._readers == 0 and self._sleepers:
-                self._cond.notify_all()
+            if ks is None:
+                self._all_readers -= 1
+            else:
+                for k in ks:
+                    self._readers[k] -= 1
+                self._shard_reads -= len(ks)
+            self._wake()
 
-    def acquire_write(self) -> None:
+    # -- writers --------------------------------------------------------------------------------
+    def _can_write(self, ks: list[int] | None) -> bool:
+        if self._all_writer or self._all_readers:
+            return False
+        if ks is None:
+            return not self._shard_reads and not self._shard_writes
+        return not any(self._writer[k] or self._readers[k] for k in ks)
+
+    def acquire_write(self, which: Iterable[int] | None = None) -> list[int] | None:
+        """Own ``which`` (None: every shard); returns the token :meth:`release_write` takes."""
+        ks = self._shards(which)
         with self._cond:
-            self._waiting_writers += 1
+            if ks is None:
+                self._all_waiting += 1
+            else:
+                for k in ks:
+                    self._waiting[k] += 1
+                self._shard_waiting += len(ks)
             try:
-                while self._writer or self._readers:
+                # a set-wise writer also lets a waiting whole-store writer go first
+                while not self._can_write(ks) or (ks is not None and self._all_waiting):
                     self._wait()
             finally:
-                self._waiting_writers -= 1
-            self._writer = True
+                if ks is None:
+                    self._all_waiting -= 1
+                else:
+                    for k in ks:
+                        self._waiting[k] -= 1
+                    self._shard_waiting -= len(ks)
+            if ks is None:
+                self._all_writer = True
+            else:
+                for k in ks:
+                    self._writer[k] = True
+                self._shard_writes += len(ks)
+        return ks
 
-    def release_write(self) -> None:
+    def release_write(self, ks: list[int] | None) -> None:
         with self._cond:
-            self._writer = False
-            if self._sleepers:
-                self._cond.notify_all()
+            if ks is None:
+                self._all_writer = False
+            else:
+                for k in ks:
+                    self._writer[k] = False
+                self._shard_writes -= len(ks)
+            self._wake()
 
+    # -- blocks ---------------------------------------------------------------------------------
     @contextmanager
-    def read(self) -> Iterator[None]:
-        self.acquire_read()
+    def read(self, which: Iterable[int] | None = None) -> Iterator[None]:
+        """Share the given shards (None: all) for the duration of the block."""
+        ks = self.acquire_read(which)
         try:
             yield
         finally:
-            self.release_read()
+            self.release_read(ks)
 
     @contextmanager
-    def write(self) -> Iterator[None]:
-        self.acquire_write()
+    def write(self, which: Iterable[int] | None = None) -> Iterator[None]:
+        """Own the given shards (None: all) for the duration of the block."""
+        ks = self.acquire_write(which)
         try:
             yield
         finally:
-            self.release_write()
-
-
-@contextmanager
-def read_all(locks: Sequence[RWLock], which: Iterable[int]) -> Iterator[None]:
-    """Share the given shards (ascending order) for the duration of the block."""
-    taken: list[RWLock] = []
-    try:
-        for k in sorted(which):
-            locks[k].acquire_read()
-            taken.append(locks[k])
-        yield
-    finally:
-        for lock in reversed(taken):
-            lock.release_read()
-
-
-@contextmanager
-def write_some(locks: Sequence[RWLock], which: Iterable[int]) -> Iterator[None]:
-    """Own the given shards (ascending order) for the duration of the block."""
-    taken: list[RWLock] = []
-    try:
-        for k in sorted(which):
-            locks[k].acquire_write()
-            taken.append(locks[k])
-        yield
-    finally:
-        for lock in reversed(taken):
-            lock.release_write()
-
-
-@contextmanager
-def write_all(locks: Sequence[RWLock]) -> Iterator[None]:
-    """Own every shard (ascending order): growth, clear, load's swap."""
-    taken: list[RWLock] = []
-    try:
-        for lock in locks:
-            lock.acquire_write()
-            taken.append(lock)
-        yield
-    finally:
-        for lock in reversed(taken):
-            lock.release_write()
+            self.release_write(ks)

@@ -34,7 +34,7 @@ from persia.embedding_ps.optimizers import (
     optimizer_code,
     state_width,
 )
-from persia.embedding_ps.rwlock import RWLock, read_all, write_all, write_some
+from persia.embedding_ps.rwlock import ShardLocks
 from persia.embedding_ps.table import DimTable
 from persia.hashing import unit_from_signs
 
@@ -142,7 +142,7 @@ class EmbeddingStore:
         self.num_shards = int(num_internal_shards)
         self.shard_capacity = math.ceil(self.capacity / self.num_shards)
         self.evict_batch = max(1, int(self.shard_capacity * evict_fraction))
-        self._locks = [RWLock() for _ in range(self.num_shards)]
+        self._locks = ShardLocks(self.num_shards)
         self._rngs = [np.random.default_rng([int(seed), k]) for k in range(self.num_shards)]
         self._tables: dict[int, DimTable] = {}
         self._tables_lock = threading.Lock()
@@ -182,7 +182,7 @@ class EmbeddingStore:
         has the same type and state width (re-registration, or state loaded from a checkpoint),
         and reset to the optimizer's initial value otherwise."""
         code = optimizer_code(cfg)
-        with write_all(self._locks):
+        with self._locks.write():
             for table in self._tables.values():
                 width = state_width(cfg, table.dim)
                 if (table.state_code, table.state_width) != (code, width):
@@ -216,7 +216,7 @@ class EmbeddingStore:
 
     def _rebase_clock(self) -> None:
         """Shift every stamp down so the uint32 clock never wraps (once per ~4e9 lookups)."""
-        with write_all(self._locks):
+        with self._locks.write():
             with self._clock_lock:
                 if self._clock < _CLOCK_LIMIT:
                     return
@@ -247,11 +247,11 @@ class EmbeddingStore:
                 self._tables = {**self._tables, dim: table}
         return table
 
-    def _touched(self, h: np.ndarray) -> list[int]:
-        """Shards a batch touches, ascending (all of them for a big batch: locking an untouched
-        shard for reading costs nothing but a little concurrency)."""
+    def _touched(self, h: np.ndarray) -> list[int] | None:
+        """Shards a batch touches, ascending; None for every shard (a big batch: locking an
+        untouched shard costs nothing but a little concurrency, and all of them is one count)."""
         if self.num_shards == 1 or h.shape[0] >= 32 * self.num_shards:
-            return list(range(self.num_shards))
+            return None
         return np.unique(ix.shard_ids(h, self.num_shards)).tolist()
 
     def _groups(self, h: np.ndarray):
@@ -319,10 +319,10 @@ class EmbeddingStore:
         self._table(dim)
         big = self.num_shards == 1 or n >= 32 * self.num_shards
         h = None if big else ix.sign_hash(q)  # a big batch hashes chunk by chunk inside locate
-        touched = list(range(self.num_shards)) if big else self._touched(h)
+        touched = None if big else self._touched(h)
         clock = self._tick() if train else 0
         seqs = version = None
-        with read_all(self._locks, touched):
+        with self._locks.read(touched):
             hit, st = self._gather(dim, q, out, clock if train else None, h, want_state)
             if query is not None:
                 seqs, version = self._applied.query(*query)
@@ -339,7 +339,7 @@ class EmbeddingStore:
         if not self._insert_all_shards(dim, new_signs, mh[first], clock):
             self._insert(dim, new_signs, mh[first], clock, admit=True, nonce=nonce)
         sub = np.empty((miss.shape[0], dim), dtype=np.float32)
-        with read_all(self._locks, self._touched(mh) if query is None else touched):
+        with self._locks.read(self._touched(mh) if query is None else touched):
             table = self._tables.get(dim)
             if (query is not None and self._applied.version(query[0]) != version) or (
                     want_state and table is not None and table.state_width != st.shape[1]):
@@ -403,7 +403,7 @@ class EmbeddingStore:
         seqs = [_as_tag(s, "seqs") for s in seqs]
         prepared = [self._prepare_update(s, g) for s, g in tables]
         missing, changed = 0, []
-        with write_all(self._locks):
+        with self._locks.write():
             for q, g, cfg in prepared:
                 if q.shape[0]:
                     m, c = self._apply_update(q, g, cfg, held=True)
@@ -446,35 +446,25 @@ class EmbeddingStore:
                     fn(dim, updated)
 
     def _shard_lock(self, k: int, held: bool):
-        return nullcontext() if held else self._locks[k].write()
+        return nullcontext() if held else self._locks.write([k])
 
     def _update_compiled(self, q, g, dim, cfg, bound, held=False):
-        """The batch sorted by shard in one pass, then per shard, under its write lock, one kernel
-        call locates the rows, steps the optimizer, clips and promotes. Returns (missing, folded,
+        """One kernel call, under the write locks of every shard the batch touches, locates the
+        rows, steps the optimizer, clips and promotes (the kernel finds each sign's shard region
+        itself; rows of different shards never interact, so this equals a call per shard, which
+        with 100 shards cost more in calls and locks than the steps). Returns (missing, folded,
         promoted, updated signs)."""
         q = np.ascontiguousarray(q)
-        if self.num_shards == 1:
-            bounds = [0, q.shape[0]]
-        else:
-            bounds, q, g = kernels.partition(q, g, self.num_shards)
-        args = kernels.update_args(cfg, bound)
-        scratch = kernels.scratch_for(max(b - a for a, b in zip(bounds, bounds[1:])))
+        g = np.ascontiguousarray(g, dtype=np.float32)
         hit = np.zeros(q.shape[0], dtype=bool)
-        missing = folded = promoted = 0
-        for k in range(self.num_shards):
-            a, b = bounds[k], bounds[k + 1]
-            if a == b:
-                continue
-            with self._shard_lock(k, held):
-                table = self._tables.get(dim)
-                if table is None:
-                    missing += b - a
-                    continue
-                r = kernels.update(table, q[a:b], g[a:b], args, hit[a:b], scratch)
-            missing += r.missing
-            folded += r.folded
-            promoted += r.promoted
-        return missing, folded, promoted, (q[hit] if self._listeners else None)
+        small = not held and 1 < self.num_shards and q.shape[0] < 32 * self.num_shards
+        which = self._touched(ix.sign_hash(q)) if small else None
+        with nullcontext() if held else self._locks.write(which):
+            table = self._tables.get(dim)
+            if table is None:
+                return q.shape[0], 0, 0, None
+            r = kernels.update(table, q, g, kernels.update_args(cfg, bound), hit)
+        return r.missing, r.folded, r.promoted, (q[hit] if self._listeners else None)
 
     def _update_numpy(self, q, g, dim, cfg, bound, held=False):
         """Shard by shard under its write lock: locate, sum duplicates, gather, step, scatter,
@@ -519,7 +509,7 @@ class EmbeddingStore:
         shard = ix.shard_ids(h, self.num_shards)
         counts = np.bincount(shard, minlength=self.num_shards)
         touched = np.flatnonzero(counts)
-        with write_some(self._locks, touched.tolist()):
+        with self._locks.write(touched.tolist()):
             table = self._tables.get(dim)
             if table is None:
                 return False
@@ -529,11 +519,14 @@ class EmbeddingStore:
                 signs, h, shard = signs[new], h[new], shard[new]
                 counts = np.bincount(shard, minlength=self.num_shards)
                 touched = np.flatnonzero(counts)
-            for k in touched.tolist():
-                live = sum(int(t.live[k]) for t in self._tables.values())
-                m = int(counts[k])
-                if live + m > self.shard_capacity or table.room(k) < m or table.tombstones[k]:
-                    return False
+            m = counts[touched]
+            live = sum(t.live[touched] for t in self._tables.values())
+            if (live + m > self.shard_capacity).any() or table.tombstones[touched].any():
+                return False
+            # room beyond the high-water mark first (vectorised); freed rows only where short
+            short = np.flatnonzero(table.R - table.high_water[touched] < m)
+            if any(table.room(int(touched[i])) < int(m[i]) for i in short.tolist()):
+                return False
             if signs.shape[0]:
                 table.insert_across(shard, signs, h, clock, self._hp.init_lower, self._hp.init_upper, self._hp.seed)
                 self._count(inserted=int(signs.shape[0]))
@@ -557,7 +550,7 @@ class EmbeddingStore:
         hp = self._hp
         written = 0
         while True:
-            with self._locks[k].write():
+            with self._locks.write([k]):
                 table = self._table(dim)
                 rows, hit, _, _ = table.locate(signs, h)
                 keep_state = state is not None and state_code == table.state_code and state.shape[1] == table.state_width
@@ -613,7 +606,7 @@ class EmbeddingStore:
         return evicted
 
     def _grow(self, dim: int, needed_rows: int) -> None:
-        with write_all(self._locks):
+        with self._locks.write():
             table = self._tables.get(dim)
             if table is None or table.R >= needed_rows:
                 return
@@ -628,7 +621,7 @@ class EmbeddingStore:
         if dim not in self._tables or q.shape[0] == 0:
             return np.zeros(q.shape[0], dtype=bool)
         h = ix.sign_hash(q)
-        with read_all(self._locks, self._touched(h)):
+        with self._locks.read(self._touched(h)):
             table = self._tables.get(dim)
             if table is None:
                 return np.zeros(q.shape[0], dtype=bool)
@@ -641,7 +634,7 @@ class EmbeddingStore:
         if dim not in self._tables or q.shape[0] == 0:
             return q[:0], np.zeros((0, dim), np.float32), np.zeros((0, 0), np.float32), 0
         h = ix.sign_hash(q)
-        with read_all(self._locks, self._touched(h)):
+        with self._locks.read(self._touched(h)):
             table = self._tables.get(dim)
             if table is None:
                 return q[:0], np.zeros((0, dim), np.float32), np.zeros((0, 0), np.float32), 0
@@ -675,7 +668,7 @@ class EmbeddingStore:
 
     def clear(self) -> None:
         """Drop every row, and the record of applied tagged updates (the rows no longer reflect them)."""
-        with write_all(self._locks):
+        with self._locks.write():
             self._tables = {}
             self._applied.clear()
 
@@ -708,7 +701,7 @@ class EmbeddingStore:
     # -- checkpoints ----------------------------------------------------------------------------
     def _snapshot_shard(self, k: int) -> list[tuple[DimTable, tuple]]:
         """Copy shard ``k``'s rows of every dim; training waits for this copy only."""
-        with self._locks[k].read():
+        with self._locks.read([k]):
             return [(t, t.snapshot_region(k)) for t in self._tables.values()]
 
     def dump(self, directory: str | Path, replica_index: int, num_workers: int = 4, *, replica_size: int | None = None, fsync: bool = True) -> None:
@@ -758,7 +751,7 @@ class EmbeddingStore:
         if staged is None:
             raise RuntimeError("no staged checkpoint to commit (stage it first)")
         tables, total = staged
-        with write_all(self._locks):
+        with self._locks.write():
             self._tables = tables
             self._applied.clear()  # the loaded rows reflect none of the updates recorded so far
         self._count(loaded_rows=total)
