@@ -68,17 +68,16 @@ def test_a_writer_excludes_only_its_own_shards():
     held = locks.acquire_write([0, 1])
     assert _read(locks, [2, 3]).wait(DEADLINE_S)
     assert _write(locks, [3]).wait(DEADLINE_S)
-    blocked = [_read(locks, [1]), _read(locks), _write(locks, [0, 3]), _write(locks)]
-    assert not any(b.wait(HELD_BACK_S) for b in blocked)
-    locks.release_write(held)
-    assert all(b.wait(DEADLINE_S) for b in blocked)
-    assert _idle(locks)
+    _held_back_until_released(locks, held, [_read(locks, [1]), _read(locks), _write(locks, [0, 3]), _write(locks)])
 
 
 def test_every_shard_for_writing_excludes_any_shard():
     locks = ShardLocks(3)
     held = locks.acquire_write()
-    blocked = [_read(locks, [0]), _write(locks, [2]), _read(locks)]
+    _held_back_until_released(locks, held, [_read(locks, [0]), _write(locks, [2]), _read(locks)])
+
+
+def _held_back_until_released(locks: ShardLocks, held, blocked: list[threading.Event]) -> None:
     assert not any(b.wait(HELD_BACK_S) for b in blocked)
     locks.release_write(held)
     assert all(b.wait(DEADLINE_S) for b in blocked)
