@@ -454,8 +454,7 @@ class EmbeddingStore:
         itself; rows of different shards never interact, so this equals a call per shard, which
         with 100 shards cost more in calls and locks than the steps). Returns (missing, folded,
         promoted, updated signs)."""
-        q = np.ascontiguousarray(q)
-        g = np.ascontiguousarray(g, dtype=np.float32)
+        q = np.ascontiguousarray(q)  # g is already contiguous float32 (_as_grads)
         hit = np.zeros(q.shape[0], dtype=bool)
         small = not held and 1 < self.num_shards and q.shape[0] < 32 * self.num_shards
         which = self._touched(ix.sign_hash(q)) if small else None
