@@ -43,6 +43,32 @@ def test_progress_report_carries_loss_auc_and_staleness():
     assert "auc" not in msg and msg["loss"] == 0.5
 
 
+
+def test_progress_scores_each_batch_on_its_own_after_one_transfer():
+    """Batches of several sizes; one whose outputs are logits (beyond [0, 1]) and one whose labels
+    are not 0/1 are left out of the AUC, the others are binned exactly as one by one."""
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for n in (5, 64, 17, 30):
+        labels = (torch.rand(n, 1, generator=g) > 0.5).float()
+        batches.append(((0.5 * labels + 0.5 * torch.rand(n, 1, generator=g)).clamp(0, 1), labels))
+    batches.insert(2, (torch.randn(9, 1, generator=g) * 4, torch.ones(9, 1)))  # logits
+    batches.insert(4, (torch.rand(6, 1, generator=g), torch.full((6, 1), 0.5)))  # soft labels
+    prog = TrainingProgress(rank=0)
+    for output, labels in batches:
+        prog.saw(output, [labels])
+    prog.report(rank=0, trained=len(batches), staleness=1)
+    pos, neg = np.zeros(BINS), np.zeros(BINS)
+    for i, (output, labels) in enumerate(batches):
+        if i in (2, 4):
+            continue
+        o, y = output.reshape(-1).numpy(), labels.reshape(-1).numpy()
+        b = np.minimum((o * BINS).astype(np.int64), BINS - 1)
+        pos += np.bincount(b[y == 1], minlength=BINS)
+        neg += np.bincount(b[y == 0], minlength=BINS)
+    assert np.array_equal(prog.pos, pos) and np.array_equal(prog.neg, neg)
+    assert prog.pos.sum() + prog.neg.sum() == 5 + 64 + 17 + 30
+
 def test_summary_line():
     line = _Progress.summary({0: {"rank": 0, "trained": 100, "loss": 0.4, "auc": 0.8, "staleness": 3},
                               1: {"rank": 1, "trained": 50, "loss": 0.2, "auc": 0.9, "staleness": 7}}, 12.34)

@@ -56,9 +56,7 @@ class TrainingProgress:
         if self._losses:
             self.loss = float(torch.stack([x.float().reshape(()) for x in self._losses]).mean())
             self._losses.clear()
-        for output, label in self._outputs:
-            o = output.float().reshape(-1).cpu().numpy()
-            y = label.float().reshape(-1).cpu().numpy()
+        for o, y in _on_host(self._outputs):
             if o.size == 0 or o.min() < 0 or o.max() > 1 or not np.isin(y, (0.0, 1.0)).all():
                 continue
             bins = np.minimum((o * BINS).astype(np.int64), BINS - 1)
@@ -75,3 +73,16 @@ class TrainingProgress:
             self._metrics.set("nn_auc", auc)
         self._metrics.set("nn_embedding_staleness", staleness)
         return msg
+
+
+def _on_host(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each kept (output, label) pair as flat float32 arrays, copied from the device in one
+    transfer per device and kind rather than two per batch (each a wait on a GPU)."""
+    if not pairs:
+        return []
+    outs = [o.float().reshape(-1) for o, _ in pairs]
+    labels = [y.float().reshape(-1) for _, y in pairs]
+    if len({t.device for t in outs + labels}) > 1:
+        return [(o.cpu().numpy(), y.cpu().numpy()) for o, y in zip(outs, labels)]
+    cuts = np.cumsum([t.numel() for t in outs])[:-1]
+    return list(zip(np.split(torch.cat(outs).cpu().numpy(), cuts), np.split(torch.cat(labels).cpu().numpy(), cuts)))

@@ -252,13 +252,11 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if batch is None:
             raise PersiaError("backward() without a training batch: call ctx.forward(batch) first")
         self._current_batch = None
-        loss_finite = bool(torch.isfinite(loss.detach()).all())
-        if not loss_finite and self.world_size == 1:
-            self.dense_optimizer.zero_grad(set_to_none=True)
-            self._skip_step(batch, "non_finite_loss")
-            return loss
-        # With DDP every rank runs backward (its all-reduce needs all of them); the all-reduced
-        # dense gradients then tell every rank alike whether to step.
+        # Backward runs before the loss is checked, so that every finiteness question of the step
+        # is answered by one read of the device (on a GPU each read waits for its queue to drain,
+        # and one before backward would stop the host from queueing backward behind the forward).
+        # With DDP every rank runs backward anyway (its all-reduce needs all of them); the
+        # all-reduced dense gradients then tell every rank alike whether to step.
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
         grads = []  # one per dim: a row per distinct ID (autograd summed its occurrences)
@@ -271,6 +269,13 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if not np.isfinite(g).all():
                 non_finite = True
             grads.append(g)
+        # under AMP the grad scaler checks the dense gradients itself
+        loss_finite, dense_finite = finite_step(loss, [] if self.grad_scaler is not None
+                                                else _dense_grads(self.dense_optimizer))
+        if not loss_finite and self.world_size == 1:
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self._skip_step(batch, "non_finite_loss")
+            return loss
         if self.grad_scaler is not None:
             # AMP: an overflow is how the scaler finds its scale; it skips the dense step itself
             scale = float(self.grad_scaler.get_scale())
@@ -283,7 +288,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             else:
                 self._account_trained(batch, loss)
             return scaled
-        if not _dense_grads_finite(self.dense_optimizer):
+        if not dense_finite:
             self.dense_optimizer.zero_grad(set_to_none=True)
             self._skip_step(batch, "non_finite_dense_grad" if loss_finite else "non_finite_loss")
             return scaled
@@ -637,19 +642,32 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     FFNN's 12.9M parameters that took 107 ms against 2.7 ms for the sums (docs/benchmarks.md).
     A sum of large finite values can overflow to Inf, so a non-finite sum is confirmed element-wise.
     """
+    return finite_step(None, tensors)[1]
+
+
+def finite_step(loss: torch.Tensor | None, tensors: list[torch.Tensor]) -> tuple[bool, bool]:
+    """``(loss has no NaN/Inf, no tensor of tensors has one)``, read from the device at once (the
+    rare confirmation below aside): one float per question, finite where the answer is yes.
+    ``loss`` None counts as finite."""
     tensors = [t.detach() for t in tensors]
-    if not all(bool(torch.isfinite(t).all()) for t in tensors if t.is_complex()):
-        return False
+    complex_ok = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_complex())
     floats = [t for t in tensors if t.is_floating_point()]
     # half-precision sums in float32: a float16 sum overflows at 65,504
-    sums = [(t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()).float() for t in floats]
-    if not sums or bool(torch.isfinite(torch.stack(sums)).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in floats)
+    values = [(t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()).float().reshape(1) for t in floats]
+    if loss is not None:  # 1 where every element is finite, inf where one is not
+        flag = (1.0 / torch.isfinite(loss.detach()).all().float()).reshape(1)
+        values.insert(0, flag.to(floats[0].device) if floats and flag.device != floats[0].device else flag)
+    if not values:
+        return True, complex_ok
+    read = torch.isfinite(torch.cat(values)).tolist()
+    loss_ok = read.pop(0) if loss is not None else True
+    # a sum of large finite values can overflow: a non-finite sum is confirmed element-wise
+    sums_ok = all(read) or all(bool(torch.isfinite(t).all()) for t in floats)
+    return loss_ok, complex_ok and sums_ok
 
 
-def _dense_grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-    return all_finite([p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None])
+def _dense_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def float32_outputs(output):
