@@ -7,7 +7,9 @@ kernel and pure numpy) that apply the updates before a fresh read; ``UpdateHisto
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -335,6 +337,54 @@ def test_the_compiled_replay_is_bit_identical_to_the_numpy_reference(name, seed,
     assert compiled.replayed == reference.replayed
     np.testing.assert_array_equal(compiled.touched, reference.touched)
     assert compiled.replayed == 0 or (compiled.rows != rows).any()
+    released = correct_table(*args, use_kernel=True, release_gil=True)  # a lookup thread's call
+    np.testing.assert_array_equal(released.rows, compiled.rows)
+    np.testing.assert_array_equal(released.state, compiled.state)
+    np.testing.assert_array_equal(released.touched, compiled.touched)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the compiled kernels are not built")
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two threads in the kernel at once need two CPUs")
+def test_a_lookup_threads_replay_runs_beside_other_threads_and_the_training_threads_does_not():
+    """``release_gil``: two threads replaying at once overlap in the kernel (as a lookup thread's
+    replay does with the training thread); without it they take turns holding the GIL, so the two
+    calls take at least about twice one call."""
+    cfg = AdagradConfig(lr=0.01)
+    n = 400_000
+    signs = np.arange(1, n + 1, dtype=np.uint64)
+    grads = np.full((n, DIM), 0.01, np.float32)
+    args = kernels.optimizer_args(cfg) | {"weight_bound": BOUND}
+    tables = [(np.zeros((n, DIM), np.float32), np.full((n, state_width(cfg, DIM)), 0.01, np.float32))
+              for _ in range(2)]
+
+    def replay(i: int, release: bool) -> None:
+        rows, state = tables[i]
+        kernels.replay(rows, state, signs, np.zeros(n, np.uint16), None, np.zeros(1, bool), signs, grads,
+                       np.zeros(n, bool), args, np.empty(2 * DIM, np.float32), release)
+
+    def one() -> float:
+        t0 = time.perf_counter()
+        replay(0, False)
+        return time.perf_counter() - t0
+
+    def two_at_once(release: bool) -> float:
+        start = threading.Barrier(2)
+        def run(i):
+            start.wait()
+            replay(i, release)
+        other = threading.Thread(target=run, args=(1,))
+        other.start()
+        t0 = time.perf_counter()
+        run(0)
+        other.join()
+        return time.perf_counter() - t0
+
+    single = min(one() for _ in range(3))
+    assert two_at_once(False) > 1.6 * single  # held: one after the other
+    deadline = time.monotonic() + 20  # released: side by side, once both threads get a CPU
+    while (both := two_at_once(True)) > 1.4 * single and time.monotonic() < deadline:
+        pass
+    assert both <= 1.4 * single, (both, single)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="the compiled kernels are not built")

@@ -1093,24 +1093,26 @@ static Py_ssize_t replay_loop(const optimizer *o, float *rows, float *state, Py_
 
 PyDoc_STRVAR(replay_doc,
 "replay(rows, state, signs, replica, live, done, usigns, ugrads, touched, gbuf, code, lr, weight_decay,\n"
-"       eps, momentum, g_square_momentum, beta1, beta2, vectorwise, weight_bound) -> row_steps\n\n"
+"       eps, momentum, g_square_momentum, beta1, beta2, vectorwise, weight_bound, release_gil=False)\n"
+"       -> row_steps\n\n"
 "One missed update on a looked-up table, in place: rows (float32 (n, dim)) and state (float32\n"
 "(n, width)) at the positions whose signs (uint64 (n,), sorted, distinct) occur in usigns (uint64\n"
 "(m,), sorted, distinct), that are live (uint8 (n,) or None) and whose replica (uint16 (n,)) is\n"
 "not marked in done (uint8 (replicas,)), take one optimizer step with their row of ugrads\n"
-"(float32 (m, dim)) and are marked in touched (uint8 (n,)). gbuf: 2*dim float32 of scratch.");
+"(float32 (m, dim)) and are marked in touched (uint8 (n,)). gbuf: 2*dim float32 of scratch.\n"
+"release_gil: step without the GIL (no other thread may touch these arrays meanwhile).");
 
 static PyObject *k_replay(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     static char *kwlist[] = {"rows", "state", "signs", "replica", "live", "done", "usigns", "ugrads", "touched",
                              "gbuf", "code", "lr", "weight_decay", "eps", "momentum", "g_square_momentum", "beta1",
-                             "beta2", "vectorwise", "weight_bound", NULL};
+                             "beta2", "vectorwise", "weight_bound", "release_gil", NULL};
     PyObject *rows, *state, *signs, *replica, *live, *done, *usigns, *ugrads, *touched, *gbuf;
-    int code, vectorwise;
+    int code, vectorwise, release_gil = 0;
     double lr, wd, eps, momentum, gsm, beta1, beta2, bound;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOidddddddpd", kwlist, &rows, &state, &signs, &replica,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOOOOidddddddpd|p", kwlist, &rows, &state, &signs, &replica,
                                      &live, &done, &usigns, &ugrads, &touched, &gbuf, &code, &lr, &wd, &eps,
-                                     &momentum, &gsm, &beta1, &beta2, &vectorwise, &bound))
+                                     &momentum, &gsm, &beta1, &beta2, &vectorwise, &bound, &release_gil))
         return NULL;
     optimizer o;
     if (optimizer_of(&o, code, lr, wd, eps, momentum, gsm, beta1, beta2, vectorwise, bound) < 0)
@@ -1158,10 +1160,19 @@ static PyObject *k_replay(PyObject *self, PyObject *args, PyObject *kwargs)
     float *g = take(&s, gbuf, "gbuf", K_FLOAT, 4, 1, 1, 0);
     if (PyErr_Occurred() || expect_len(dim_of(&s, bb, 0), 2 * dim, "gbuf", "elements") < 0)
         goto fail;
-    /* The GIL is kept: a call is tens of microseconds on the training thread, and handing the GIL
+    /* On the training thread the GIL is kept: a call is tens of microseconds, and handing the GIL
      * away that briefly cost throughput (another thread takes it and the training thread waits
-     * for it back: 16,960 against 17,600 samples/s in three interleaved pairs). */
-    const Py_ssize_t steps = replay_loop(&o, w, st, width, q, n, rep, lv, dn, replicas, uq, ug, m, tc, g, dim);
+     * for it back: 16,960 against 17,600 samples/s in three interleaved pairs). A lookup thread's
+     * replay (release_gil) hands it to the training thread instead: there it was the largest
+     * share of the GIL the NN worker's helper threads held. */
+    Py_ssize_t steps;
+    if (release_gil) {
+        Py_BEGIN_ALLOW_THREADS
+        steps = replay_loop(&o, w, st, width, q, n, rep, lv, dn, replicas, uq, ug, m, tc, g, dim);
+        Py_END_ALLOW_THREADS
+    } else {
+        steps = replay_loop(&o, w, st, width, q, n, rep, lv, dn, replicas, uq, ug, m, tc, g, dim);
+    }
     release_all(&s);
     if (steps == -ERR_UNSORTED) { /* named as correct_table's fields: its caller sees these */
         PyErr_SetString(PyExc_ValueError, "field 'signs': signs and the update's signs must be sorted and distinct");
@@ -1297,8 +1308,9 @@ PyMODINIT_FUNC PyInit__kernels(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    /* the interface kernels.py calls (kernels.ABI): 2 = the stamp is a cell of the row, 3 = replay */
-    if (PyModule_AddIntConstant(m, "PREFETCH_DISTANCE", DIST) < 0 || PyModule_AddIntConstant(m, "ABI", 3) < 0) {
+    /* the interface kernels.py calls (kernels.ABI): 2 = the stamp is a cell of the row, 3 = replay,
+     * 4 = replay's release_gil */
+    if (PyModule_AddIntConstant(m, "PREFETCH_DISTANCE", DIST) < 0 || PyModule_AddIntConstant(m, "ABI", 4) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -30,7 +30,8 @@ try:
 except ImportError:  # a source tree without a build: numpy only
     _kernels = None
 
-ABI = 3  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col; 3: replay)
+ABI = 4  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col; 3: replay;
+# 4: replay's release_gil)
 
 
 def stale_reason(module) -> str | None:
@@ -189,14 +190,15 @@ def update(table, signs: np.ndarray, grads: np.ndarray, args: dict, hit: np.ndar
 
 def replay(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.ndarray, live: np.ndarray | None,
            done: np.ndarray, usigns: np.ndarray, ugrads: np.ndarray, touched: np.ndarray, args: dict,
-           gbuf: np.ndarray) -> int:
+           gbuf: np.ndarray, release_gil: bool = False) -> int:
     """One missed update of an NN worker stepped, in place, onto its copy of a looked-up table
     (:func:`persia.nn_worker.replay.correct_table` validates and prepares the arrays; ``args``:
     :func:`optimizer_args` and ``weight_bound``). Returns the row-steps; sets ``touched`` where it
     stepped. One C call per update: the sorted-merge lookup and the steps run in C, holding the GIL
-    (a call is too short to be worth handing it away)."""
+    unless ``release_gil`` (a lookup thread's replay: the training thread's is too short to be
+    worth handing the GIL away and waiting to get it back)."""
     return _kernels.replay(rows=rows, state=state, signs=signs, replica=replica, live=live, done=done, usigns=usigns,
-                           ugrads=ugrads, touched=touched, gbuf=gbuf, **args)
+                           ugrads=ugrads, touched=touched, gbuf=gbuf, release_gil=release_gil, **args)
 
 
 def partition(signs: np.ndarray, grads: np.ndarray, num_shards: int) -> tuple[list[int], np.ndarray, np.ndarray]:

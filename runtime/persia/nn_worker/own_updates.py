@@ -104,7 +104,8 @@ class OwnUpdates:
             table["rows"] = np.array(table["rows"], dtype=np.float32, order="C")
             extra["state"] = np.array(extra["state"], dtype=np.float32, order="C")
             extra["owned"] = True
-        done = self._replay(tables, replay, self.history.since(int(replay["since"]))).replayed
+        # without the GIL: the training thread goes on meanwhile (the rows are this thread's copies)
+        done = self._replay(tables, replay, self.history.since(int(replay["since"])), release_gil=True).replayed
         replay["ahead"] = done
         self._count(done, batch=False, ahead=True)
         return done
@@ -126,7 +127,8 @@ class OwnUpdates:
         self._count(fixed.replayed, batch=bool(fixed.replayed or replay.get("ahead")))
         return fixed
 
-    def _replay(self, tables: list[dict], replay: dict, missed: list[SentUpdate]) -> "Correction":
+    def _replay(self, tables: list[dict], replay: dict, missed: list[SentUpdate],
+                release_gil: bool = False) -> "Correction":
         """Step the rows of each table by ``missed`` (ascending seqs): ``tables[i]["rows"]`` and
         the reply's ``state`` replaced where rows changed, and ``replay["through"]`` moved to the
         last seq, so that no later part (nor a second forward of the batch) steps them again."""
@@ -137,7 +139,8 @@ class OwnUpdates:
                 # arrays the lookup thread copied (correct_ahead) are ours: stepped in place, not copied again
                 fixed = correct_table(int(table["dim"]), table["rows"], extra["state"], extra["signs"],
                                       extra["replica"], extra["absent"], extra["applied"], missed,
-                                      self.cfg, self.weight_bound, in_place=bool(extra.get("owned")))
+                                      self.cfg, self.weight_bound, in_place=bool(extra.get("owned")),
+                                      release_gil=release_gil)
             if fixed is None or not fixed.replayed:
                 touched.append(None)
                 continue

@@ -127,7 +127,7 @@ _NONE_TOUCHED.flags.writeable = False
 def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarray,
                   replica: np.ndarray, absent: np.ndarray, applied: list[np.ndarray],
                   missed: list[SentUpdate], cfg, weight_bound: float, use_kernel: bool | None = None,
-                  in_place: bool = False) -> Corrected:
+                  in_place: bool = False, release_gil: bool = False) -> Corrected:
     """``rows``/``state`` of one looked-up table as they would read had every update in
     ``missed`` (ascending seq) been applied before the read: for each update, the rows whose sign
     it has, that are not ``absent`` and whose PS replica (``replica[i]`` indexes ``applied``, each
@@ -142,7 +142,8 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
     (``use_kernel``: None = when built, unless ``PERSIA_PS_PURE_NUMPY``) or, as the reference, one
     searchsorted and the optimizer on the rows it hits. ``signs`` must be sorted (the embedding
     worker's ``np.unique`` makes them so; the kernel checks what it merges, and the same signs are
-    checked when their update becomes a :class:`SentUpdate`).
+    checked when their update becomes a :class:`SentUpdate`). ``release_gil``: the kernel steps
+    without the GIL (a lookup thread's correction, which the training thread should not wait for).
     """
     n = signs.shape[0]
     absent = np.asarray(absent, dtype=np.int64)
@@ -177,8 +178,11 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
     updates = [(u.seq, u.tables[dim]) for u in missed if dim in u.tables] if n else []
     if not updates:
         return Corrected(new_rows, new_state, 0, _NONE_TOUCHED)
-    replay = _replay_compiled if kernels.resolve_use_kernel(use_kernel) else _replay_numpy
-    replayed, touched = replay(new_rows, new_state, signs, replica, live, applied, updates, cfg, weight_bound)
+    if kernels.resolve_use_kernel(use_kernel):
+        replayed, touched = _replay_compiled(new_rows, new_state, signs, replica, live, applied, updates, cfg,
+                                             weight_bound, release_gil)
+    else:
+        replayed, touched = _replay_numpy(new_rows, new_state, signs, replica, live, applied, updates, cfg, weight_bound)
     return Corrected(new_rows, new_state, replayed, touched)
 
 
@@ -190,7 +194,7 @@ def _done_by(applied: list[np.ndarray], seq: int) -> np.ndarray:
 
 def _replay_compiled(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, replica: np.ndarray,
                      live: np.ndarray | None, applied: list[np.ndarray], updates: list, cfg,
-                     weight_bound: float) -> tuple[int, np.ndarray]:
+                     weight_bound: float, release_gil: bool = False) -> tuple[int, np.ndarray]:
     """Each update by one call of the compiled kernel (a merge of the sorted signs, the steps in
     C), in place on ``rows``/``state``."""
     n, dim = rows.shape
@@ -206,7 +210,7 @@ def _replay_compiled(rows: np.ndarray, state: np.ndarray, signs: np.ndarray, rep
     done = 0
     for seq, (usigns, ugrads) in updates:  # the kernel checks the order of the signs it merges and the replicas
         done += kernels.replay(rows, state, signs, replica, live, _done_by(applied, seq), usigns, ugrads, mark, args,
-                               gbuf)
+                               gbuf, release_gil)
     return done, (np.flatnonzero(mark) if done else _NONE_TOUCHED)
 
 
