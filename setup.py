@@ -1,6 +1,7 @@
-"""Declares the embedding PS's compiled kernel; all other metadata lives in pyproject.toml.
+"""Declares the compiled kernels (the embedding PS's, the embedding worker's dedup); all other
+metadata lives in pyproject.toml.
 
-The kernel reads arrays through the buffer protocol, so building it needs only a C compiler and
+The kernels read arrays through the buffer protocol, so building them needs only a C compiler and
 the Python headers (no numpy headers). ``-ffp-contract=off`` keeps its float32 arithmetic
 operation-by-operation identical to numpy's (no fused multiply-add).
 """
@@ -18,6 +19,8 @@ setup(
             "persia.embedding_ps._kernels",
             sources=["runtime/persia/embedding_ps/_kernels.c"],
             extra_compile_args=flags,
-        )
+        ),
+        # the embedding worker's dedup of a batch's IDs (persia/unique.py)
+        Extension("persia._unique", sources=["runtime/persia/_unique.c"], extra_compile_args=flags),
     ]
 )

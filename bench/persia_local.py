@@ -46,10 +46,12 @@ def launcher_unavailable_reason(timeout_s: float = 60.0) -> str | None:
     if proc.returncode != 0:
         last = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         return f"{LAUNCHER} local --help exited {proc.returncode}: {last[0][:200]}"
+    from persia import unique
     from persia.embedding_ps import kernels
 
-    # without it the PS falls back to numpy (and only logs so): figures that are not our system's
-    return kernels.unavailable_reason()
+    # without them the PS and the embedding worker fall back to numpy (and only log so): figures
+    # that are not our system's
+    return kernels.unavailable_reason() or unique.unavailable_reason()
 
 
 def staleness_of(spec: RunSpec) -> int:

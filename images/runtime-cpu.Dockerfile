@@ -38,7 +38,7 @@ COPY runtime/ runtime/
 COPY operator/ operator/
 RUN pip wheel --no-deps --wheel-dir /dist . \
     && pip install --constraint images/requirements/runtime.txt "$(ls /dist/persia_k8s-*.whl)[runtime]" \
-    && python -c "import torch, persia.embedding_ps._kernels; assert torch.__version__ == '${TORCH_VERSION}+cpu', torch.__version__" \
+    && python -c "import torch, persia.embedding_ps._kernels, persia._unique; assert torch.__version__ == '${TORCH_VERSION}+cpu', torch.__version__" \
     && mkdir -p /opt/persia && pip freeze --all > /opt/persia/pip-freeze.txt
 
 # ---- the runtime: Python, the venv, the examples; no compiler, no pip caches, no secrets.

@@ -98,21 +98,37 @@ def test_unusable_launcher_is_reported_with_its_error(tmp_path, monkeypatch):
     assert persia_local.launcher_unavailable_reason() == "persia-launcher is not installed"
 
 
-def test_a_stale_ps_kernel_stops_our_runs_naming_it(tmp_path, monkeypatch):
-    # the PS would fall back to numpy, logging it only: figures that are not our system's
+@pytest.fixture
+def working_launcher(tmp_path, monkeypatch):
+    """``bench.persia_local`` with a launcher that answers ``local --help``."""
     import bench.persia_local as persia_local
-    from persia.embedding_ps import kernels
 
     fine = tmp_path / "persia-launcher"
     fine.write_text("#!/bin/sh\nexit 0\n")
     fine.chmod(0o755)
     monkeypatch.setattr(persia_local, "find_launcher", lambda: str(fine))
-    assert persia_local.launcher_unavailable_reason() is None  # the kernel built here is current
+    assert persia_local.launcher_unavailable_reason() is None  # the kernels built here are current
+    return persia_local
+
+
+def test_a_stale_ps_kernel_stops_our_runs_naming_it(working_launcher, monkeypatch):
+    # the PS would fall back to numpy, logging it only: figures that are not our system's
+    from persia.embedding_ps import kernels
+
+    persia_local = working_launcher
     monkeypatch.setattr(kernels, "_kernels", None)
     monkeypatch.setattr(kernels, "_STALE", kernels.stale_reason(type("Old", (), {})()))
     assert "interface 1, this code needs" in persia_local.launcher_unavailable_reason()
     monkeypatch.setattr(kernels, "_STALE", None)
     assert "is not built" in persia_local.launcher_unavailable_reason()
+
+
+def test_an_unbuilt_dedup_kernel_stops_our_runs_naming_it(working_launcher, monkeypatch):
+    # the embedding worker would dedup with numpy, as it does in a source tree without a build
+    from persia import unique
+
+    monkeypatch.setattr(unique, "_unique", None)
+    assert "persia._unique is not built" in working_launcher.launcher_unavailable_reason()
 
 
 def test_labels_name_the_staleness_bound_and_thread_setting():

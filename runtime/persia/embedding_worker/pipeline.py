@@ -16,6 +16,7 @@ import numpy as np
 
 from persia.config import UnknownSlotError
 from persia.hashing import add_index_prefix, hash_stack, shard_of
+from persia.unique import unique_inverse
 from persia.wire import ids
 
 
@@ -139,8 +140,9 @@ def prepare(
         else:
             values = np.concatenate([v for v, _, _ in per_slot])
         prefixes = np.repeat(np.array([specs[i].index_prefix for i in idxs], dtype=np.uint64), sizes)
-        uniq, inverse = np.unique(add_index_prefix(values, prefixes, prefix_bit), return_inverse=True)
-        inverse = inverse.astype(np.int32)  # what goes on the wire (tables stay far below 2**31 rows)
+        # sorted, as np.unique (own-update replay merges sorted signs); int32 positions go on the
+        # wire (tables stay far below 2**31 rows)
+        uniq, inverse = unique_inverse(add_index_prefix(values, prefixes, prefix_bit))
         tables[dim] = uniq
         maybe = [k for k, (_, _, one) in enumerate(per_slot) if not one and sizes[k] == batch_size]
         if maybe:  # features sent with offsets that still hold one ID per sample
