@@ -47,6 +47,45 @@ static void radix_sort(uint64_t *key, int32_t *tag, uint64_t *tmp_key, int32_t *
     }
 }
 
+/* Each thread's scratch, kept between calls and grown to the largest batch it has deduped: a
+ * fresh allocation per call was mapped and unmapped by malloc (its blocks are above the mmap
+ * threshold) and cost as much as the dedup itself. */
+typedef struct {
+    size_t n, cap;
+    uint64_t *slot_key;
+    int32_t *slot_id, *first_id, *dt, *rank;
+    uint64_t *dk;
+} scratch;
+
+static _Thread_local scratch tls;
+
+static int reserve(scratch *s, size_t n, size_t cap)
+{
+    if (n > s->n) {
+        int32_t *first_id = realloc(s->first_id, n * sizeof *first_id);
+        if (first_id) s->first_id = first_id;
+        uint64_t *dk = realloc(s->dk, 2 * n * sizeof *dk);
+        if (dk) s->dk = dk;
+        int32_t *dt = realloc(s->dt, 2 * n * sizeof *dt);
+        if (dt) s->dt = dt;
+        int32_t *rank = realloc(s->rank, n * sizeof *rank);
+        if (rank) s->rank = rank;
+        if (!first_id || !dk || !dt || !rank)
+            return -1;
+        s->n = n;
+    }
+    if (cap > s->cap) {
+        uint64_t *slot_key = realloc(s->slot_key, cap * sizeof *slot_key);
+        if (slot_key) s->slot_key = slot_key;
+        int32_t *slot_id = realloc(s->slot_id, cap * sizeof *slot_id);
+        if (slot_id) s->slot_id = slot_id;
+        if (!slot_key || !slot_id)
+            return -1;
+        s->cap = cap;
+    }
+    return 0;
+}
+
 /* Returns the number of distinct values, or -1 when memory ran out. */
 static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *uniq, int32_t *inverse)
 {
@@ -56,17 +95,13 @@ static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *un
     while (cap < 2 * (size_t)n)
         cap <<= 1;
     const size_t mask = cap - 1;
-    uint64_t *slot_key = malloc(cap * sizeof *slot_key);
-    int32_t *slot_id = malloc(cap * sizeof *slot_id);
-    int32_t *first_id = malloc((size_t)n * sizeof *first_id); /* id (order of first sight) of each element */
-    uint64_t *dk = malloc(2 * (size_t)n * sizeof *dk);        /* distinct keys, then radix scratch */
-    int32_t *dt = malloc(2 * (size_t)n * sizeof *dt);         /* their ids, then scratch */
-    int32_t *rank = malloc((size_t)n * sizeof *rank);         /* id -> position in sorted order */
-    Py_ssize_t k = -1;
-    if (!slot_key || !slot_id || !first_id || !dk || !dt || !rank)
-        goto done;
+    scratch *s = &tls;
+    if (reserve(s, (size_t)n, cap) < 0)
+        return -1;
+    uint64_t *slot_key = s->slot_key, *dk = s->dk; /* dk: distinct keys, then radix scratch */
+    int32_t *slot_id = s->slot_id, *first_id = s->first_id, *dt = s->dt, *rank = s->rank;
     memset(slot_id, 0xff, cap * sizeof *slot_id); /* EMPTY */
-    k = 0;
+    Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint64_t v = values[i];
         size_t h = (size_t)mix(v) & mask;
@@ -88,13 +123,6 @@ static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *un
     }
     for (Py_ssize_t i = 0; i < n; i++)
         inverse[i] = rank[first_id[i]];
-done:
-    free(slot_key);
-    free(slot_id);
-    free(first_id);
-    free(dk);
-    free(dt);
-    free(rank);
     return k;
 }
 
