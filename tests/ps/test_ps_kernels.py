@@ -167,10 +167,15 @@ def test_kernel_hash_is_the_engine_hash():
 
 
 @pytest.mark.parametrize("cfg", [OPTIMIZERS["adagrad-wd"], OPTIMIZERS["adam-wd"]], ids=["adagrad", "adam"])
-def test_one_update_call_across_shards_equals_a_call_per_shard(cfg):
-    """The store steps a batch in one kernel call over every shard it touches; the per-shard
-    calls it replaced (a stable partition, then one call per shard) leave the same weights,
-    state and index, promotions included: rows of different shards never interact."""
+@pytest.mark.parametrize("by_shard", [False, True])
+def test_one_update_call_across_shards_equals_a_call_per_shard(cfg, by_shard, monkeypatch):
+    """The store steps a batch in one kernel call over every shard it touches (a big batch: shard
+    by shard, ``by_shard``, here forced on a small one); a stable partition then one call per
+    shard leaves the same weights, state and index, promotions included: rows of different
+    shards never interact."""
+    import persia.embedding_ps.store as store_module
+
+    monkeypatch.setattr(store_module, "_BY_SHARD_MIN", 1 if by_shard else 1 << 30)
     rng = np.random.default_rng(7)
     signs = np.unique(rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64, endpoint=True))
     one, per_shard = (EmbeddingStore(20_000, 16, use_kernel=True) for _ in range(2))
