@@ -141,8 +141,8 @@ def correct_table(dim: int, rows: np.ndarray, state: np.ndarray, signs: np.ndarr
     it must: O(1) checks of the inputs, then per update one call of the compiled kernel
     (``use_kernel``: None = when built, unless ``PERSIA_PS_PURE_NUMPY``) or, as the reference, one
     searchsorted and the optimizer on the rows it hits. ``signs`` must be sorted (the embedding
-    worker's ``np.unique`` makes them so; the kernel checks what it merges, and the same signs are
-    checked when their update becomes a :class:`SentUpdate`). ``release_gil``: the kernel steps
+    worker's dedup, ``persia.unique``, makes them so; the kernel checks what it merges, and the
+    same signs are checked when their update becomes a :class:`SentUpdate`). ``release_gil``: the kernel steps
     without the GIL (a lookup thread's correction, which the training thread should not wait for).
     """
     n = signs.shape[0]
