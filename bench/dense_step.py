@@ -34,7 +34,7 @@ def measure(mlp: str, batch_size: int, steps: int, seed: int = 0) -> dict[str, f
     import torch.nn.functional as F
 
     from persia.nn_worker import embedding_tensors
-    from persia.nn_worker.train_ctx import _dense_grads_finite, all_finite
+    from persia.nn_worker.train_ctx import _dense_grads, all_finite, finite_step
     from synthetic_ctr.model import CTRTower, parse_hidden
     from synthetic_ctr.schema import NUM_DENSE, NUM_SLOTS
 
@@ -54,11 +54,10 @@ def measure(mlp: str, batch_size: int, steps: int, seed: int = 0) -> dict[str, f
         st = embedding_tensors.build(tables[i % n], slots, "cpu", True)
         out = model([dense[i % n]], st.emb)
         loss = F.binary_cross_entropy(out, labels[i % n])
-        bool(torch.isfinite(loss.detach()).all())
         loss.backward()
         for leaf in st.leaves:
             np.isfinite(leaf.grad.numpy()).all()
-        _dense_grads_finite(opt)
+        finite_step(loss, _dense_grads(opt))  # as TrainCtx: the loss and the dense gradients at once
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i % 20 == 0:
