@@ -7,6 +7,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,9 +48,9 @@ static void radix_sort(uint64_t *key, int32_t *tag, uint64_t *tmp_key, int32_t *
     }
 }
 
-/* Each thread's scratch, kept between calls and grown to the largest batch it has deduped: a
- * fresh allocation per call was mapped and unmapped by malloc (its blocks are above the mmap
- * threshold) and cost as much as the dedup itself. */
+/* Each thread's scratch, kept between calls and grown to the largest batch it has deduped (a
+ * fresh allocation per call was mapped and unmapped by malloc, its blocks being above the mmap
+ * threshold, and cost as much as the dedup itself); freed when the thread ends. */
 typedef struct {
     size_t n, cap;
     uint64_t *slot_key;
@@ -57,7 +58,39 @@ typedef struct {
     uint64_t *dk;
 } scratch;
 
-static _Thread_local scratch tls;
+static pthread_key_t scratch_key;
+static int scratch_key_ok;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+static void free_scratch(void *p)
+{
+    scratch *s = p;
+    free(s->slot_key);
+    free(s->slot_id);
+    free(s->first_id);
+    free(s->dt);
+    free(s->rank);
+    free(s->dk);
+    free(s);
+}
+
+static void make_scratch_key(void)
+{
+    scratch_key_ok = pthread_key_create(&scratch_key, free_scratch) == 0;
+}
+
+static scratch *thread_scratch(void)
+{
+    pthread_once(&scratch_once, make_scratch_key);
+    if (!scratch_key_ok)
+        return NULL;
+    scratch *s = pthread_getspecific(scratch_key);
+    if (s == NULL && (s = calloc(1, sizeof *s)) != NULL && pthread_setspecific(scratch_key, s) != 0) {
+        free(s);
+        s = NULL;
+    }
+    return s;
+}
 
 static int reserve(scratch *s, size_t n, size_t cap)
 {
@@ -95,8 +128,8 @@ static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *un
     while (cap < 2 * (size_t)n)
         cap <<= 1;
     const size_t mask = cap - 1;
-    scratch *s = &tls;
-    if (reserve(s, (size_t)n, cap) < 0)
+    scratch *s = thread_scratch();
+    if (s == NULL || reserve(s, (size_t)n, cap) < 0)
         return -1;
     uint64_t *slot_key = s->slot_key, *dk = s->dk; /* dk: distinct keys, then radix scratch */
     int32_t *slot_id = s->slot_id, *first_id = s->first_id, *dt = s->dt, *rank = s->rank;

@@ -69,3 +69,36 @@ def test_numpy_path_and_the_wrapper_checks():
     assert uniq.tolist() == [1, 2, 3] and inverse.tolist() == [2, 0, 2, 1] and inverse.dtype == np.int32
     with pytest.raises(ValueError, match="values must be 1-D"):
         U.unique_inverse(np.zeros((2, 2), np.uint64))
+
+
+@needs_kernel
+def test_threads_that_end_give_their_scratch_back():
+    """Each thread keeps its scratch between calls; a thread that ends frees it. 100 short-lived
+    threads deduping 200k IDs each (about 12 MB of scratch apiece) leave the process about where
+    one of them did, with every result right."""
+    import threading
+
+    values = np.random.default_rng(5).integers(0, 2**64 - 1, 200_000, dtype=np.uint64, endpoint=True)
+    want = U.unique_inverse(values, use_kernel=False)
+    wrong: list[int] = []
+
+    def dedup(i: int) -> None:
+        got = U.unique_inverse(values, use_kernel=True)
+        if not (np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])):
+            wrong.append(i)
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    for i in range(3):  # the allocator's own growth first
+        t = threading.Thread(target=dedup, args=(i,))
+        t.start()
+        t.join()
+    before = rss()
+    for i in range(100):
+        t = threading.Thread(target=dedup, args=(i,))
+        t.start()
+        t.join()
+    assert not wrong
+    assert rss() - before < 200 * 2**20  # kept, 100 scratches would be about 1.2 GB
