@@ -176,6 +176,10 @@ def test_one_update_call_across_shards_equals_a_call_per_shard(cfg, by_shard, mo
     import persia.embedding_ps.store as store_module
 
     monkeypatch.setattr(store_module, "_BY_SHARD_MIN", 1 if by_shard else 1 << 30)
+    by_shard_calls = []
+    real_by_shard = EmbeddingStore._update_by_shard
+    monkeypatch.setattr(EmbeddingStore, "_update_by_shard",
+                        lambda self, *a, **k: by_shard_calls.append(1) or real_by_shard(self, *a, **k))
     rng = np.random.default_rng(7)
     signs = np.unique(rng.integers(0, 2**64 - 1, 3000, dtype=np.uint64, endpoint=True))
     one, per_shard = (EmbeddingStore(20_000, 16, use_kernel=True) for _ in range(2))
@@ -196,6 +200,7 @@ def test_one_update_call_across_shards_equals_a_call_per_shard(cfg, by_shard, mo
             kernels.update(table, q[bounds[k]:bounds[k + 1]], g[bounds[k]:bounds[k + 1]], args, hit[bounds[k]:bounds[k + 1]])
         assert hit.all()
     assert one.stats()["index_promotions"] > 0
+    assert len(by_shard_calls) == (3 if by_shard else 0)  # the path under test is the one taken
     a, b = one._tables[8], per_shard._tables[8]
     np.testing.assert_array_equal(a.rows, b.rows)
     np.testing.assert_array_equal(a.state, b.state)
