@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from persia.allocator import tune_allocator
 from persia.embedding_ps import AdagradConfig, EmbeddingStore, kernels
 from persia.embedding_ps.optimizers import state_width
 
@@ -153,13 +154,14 @@ def main(argv: list[str] | None = None) -> dict:
     batch = args.batch or (100_000 if args.small else 1_000_000)
     dim = args.dim
     pinned = "not pinned" if args.no_pin else pin_to_one_core()
+    malloc = tune_allocator()  # as the PS process runs (persia-launcher sets it for every role)
     rng = np.random.default_rng(12345)
     cfg = AdagradConfig(lr=0.01)
     sw = state_width(cfg, dim)
     use_kernel = False if args.pure_numpy else kernels.default_use_kernel()
     path = "compiled" if use_kernel else "numpy"
     print(f"PS bench: {rows_n:,} rows, dim {dim}, Adagrad, {args.shards} internal shards, batches of {batch:,}, "
-          f"Zipf a={args.zipf}; engine path: {path}; {pinned}", flush=True)
+          f"Zipf a={args.zipf}; engine path: {path}; {pinned}; malloc: {malloc}", flush=True)
 
     # inputs first, so the memory measured below is the store's alone
     ids = np.unique(rng.integers(0, np.iinfo(np.uint64).max, size=int(rows_n * 1.001) + 16, dtype=np.uint64, endpoint=True))
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_rows_24gib": max_rows,
         "details": {
             "rows": rows_n, "dim": dim, "optimizer": "Adagrad", "internal_shards": args.shards,
-            "batch": batch, "zipf_a": args.zipf, "small": bool(args.small), "pinned": pinned,
+            "batch": batch, "zipf_a": args.zipf, "small": bool(args.small), "pinned": pinned, "malloc": malloc,
             "engine_path": path,
             "lookup_ids_per_s": batch / float(np.median(lookup_t)),
             "inference_lookup_ids_per_s": batch / float(np.median(infer_t)),

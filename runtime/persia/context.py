@@ -15,6 +15,7 @@ import threading
 import traceback
 
 from persia import env
+from persia.allocator import tune_allocator
 from persia.errors import PersiaValidationError
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def _role_name() -> str:
 
 class BaseCtx:
     def __init__(self, threadpool_worker_size: int = 10, device_id: int | None = None):
+        tune_allocator()  # a script started without persia-launcher (persia.allocator)
         if not logging.getLogger().handlers:  # a user script that set up no logging: PERSIA's default
             from persia.logger import setup_logging
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from persia.allocator import tune_allocator
 from persia.procs import spawn
 
 log = logging.getLogger("persia.launcher")
@@ -348,6 +349,10 @@ def run_embedding_parameter_server(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        tune_allocator()  # before the role allocates its first batch (persia.allocator)
+    except ValueError as exc:
+        raise SystemExit(f"persia-launcher: {exc}") from None
     if os.environ.get("PERSIA_LAUNCHER_VERBOSE") == "1":
         print(f"persia-launcher {args}", file=sys.stderr)
     handlers = {
