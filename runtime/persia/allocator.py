@@ -58,8 +58,9 @@ def allocator_plan(environ: Mapping[str, str], libc: str) -> tuple[dict[int, int
 
 def tune_allocator(environ: Mapping[str, str] | None = None) -> str:
     """Apply :func:`allocator_plan` to this process, once (later calls return the first result).
-    Called by ``persia-launcher`` for every role and by every context (``BaseCtx``) for scripts
-    started without it."""
+    Called by ``persia-launcher`` (the servers run in its process) and by every context
+    (``BaseCtx``): a script is a new process image, started by the launcher or not, and an exec
+    starts over with glibc's defaults."""
     global _applied
     if _applied is not None:
         return _applied

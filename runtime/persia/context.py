@@ -85,7 +85,7 @@ def _role_name() -> str:
 
 class BaseCtx:
     def __init__(self, threadpool_worker_size: int = 10, device_id: int | None = None):
-        tune_allocator()  # a script started without persia-launcher (persia.allocator)
+        tune_allocator()  # scripts: an exec'd process starts with glibc's defaults again (persia.allocator)
         if not logging.getLogger().handlers:  # a user script that set up no logging: PERSIA's default
             from persia.logger import setup_logging
 
