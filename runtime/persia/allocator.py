@@ -1,14 +1,17 @@
 """glibc malloc settings for every role: keep the memory a batch frees for the next batch.
 
-Every batch moves buffers of a few hundred KB through each role (gRPC messages, decoded arrays,
-gathered rows). Under glibc's defaults a freed buffer's pages often go back to the kernel (its
-trim threshold is twice the largest buffer freed so far, its mmap threshold moves with them), and
-the next batch's buffer faults them in again, zero-filled by the kernel: about 200 page faults per
-batch in the embedding worker, a quarter of its CPU, and 50 in the NN worker (docs/benchmarks.md,
-issue 15, session 16). A fixed mmap threshold (allocations below it come from the heap) and a
-higher trim threshold (free memory at the top of a heap is kept up to it) stop that churn, at the
-price of at most the trim threshold of free memory kept per heap. Allocations of the mmap threshold
-and more (a PS's tables) are still mapped and returned to the kernel when freed.
+Every batch moves buffers of a few hundred KB to tens of MB through each role (gRPC messages,
+decoded arrays, gathered rows, a large model's activations and gradients). glibc's defaults adapt
+to that: each time a mapped buffer is freed, the mmap threshold rises to its size (up to 32 MiB)
+and the trim threshold to twice that. Until they have risen, and whenever a batch frees more than
+the trim threshold at once, freed pages go back to the kernel and the next batch faults them in
+again, zero-filled: about 200 page faults per batch in the embedding worker (a quarter of its CPU)
+and 50 in the NN worker at batch 256, 12,000 in the FFNN's NN worker (docs/benchmarks.md, issue 15,
+session 16). Starting at glibc's own maxima instead, a fixed mmap threshold of 32 MiB (buffers
+below it come from the heap) and a trim threshold of 64 MiB (free memory at the top of a heap is
+kept up to that), stops the churn below 32 MiB, at the price of at most 64 MiB of freed memory
+kept per heap. Buffers of 32 MiB and more (a PS's tables) are mapped and returned to the kernel
+when freed, as before; glibc does not take a larger mmap threshold.
 
 ``PERSIA_MALLOC_TUNING=0`` leaves glibc's defaults; glibc's own ``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_`` (or ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``), when set, win: the process
@@ -32,8 +35,8 @@ GLIBC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
-MMAP_THRESHOLD = 4 << 20
-TRIM_THRESHOLD = 32 << 20
+MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, the most it takes
+TRIM_THRESHOLD = 64 << 20  # twice that, where its dynamic trim threshold ends
 
 _applied: str | None = None
 
