@@ -73,7 +73,7 @@ def tune_allocator(environ: Mapping[str, str] | None = None) -> str:
         mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
         refused = [param for param, value in settings.items() if mallopt(param, value) != 1]
         if refused:
-            why = f"glibc refused mallopt parameter(s) {refused}; allocator left as it was"
+            why = f"glibc refused mallopt parameter(s) {refused} of {why}; the others took effect"
             log.warning("%s", why)
     log.debug("malloc: %s", why)
     _applied = why
