@@ -7,7 +7,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,77 +47,6 @@ static void radix_sort(uint64_t *key, int32_t *tag, uint64_t *tmp_key, int32_t *
     }
 }
 
-/* Each thread's scratch, kept between calls and grown to the largest batch it has deduped (a
- * fresh allocation per call was mapped and unmapped by malloc, its blocks being above the mmap
- * threshold, and cost as much as the dedup itself); freed when the thread ends. */
-typedef struct {
-    size_t n, cap;
-    uint64_t *slot_key;
-    int32_t *slot_id, *first_id, *dt, *rank;
-    uint64_t *dk;
-} scratch;
-
-static pthread_key_t scratch_key;
-static int scratch_key_ok;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-
-static void free_scratch(void *p)
-{
-    scratch *s = p;
-    free(s->slot_key);
-    free(s->slot_id);
-    free(s->first_id);
-    free(s->dt);
-    free(s->rank);
-    free(s->dk);
-    free(s);
-}
-
-static void make_scratch_key(void)
-{
-    scratch_key_ok = pthread_key_create(&scratch_key, free_scratch) == 0;
-}
-
-static scratch *thread_scratch(void)
-{
-    pthread_once(&scratch_once, make_scratch_key);
-    if (!scratch_key_ok)
-        return NULL;
-    scratch *s = pthread_getspecific(scratch_key);
-    if (s == NULL && (s = calloc(1, sizeof *s)) != NULL && pthread_setspecific(scratch_key, s) != 0) {
-        free(s);
-        s = NULL;
-    }
-    return s;
-}
-
-static int reserve(scratch *s, size_t n, size_t cap)
-{
-    if (n > s->n) {
-        int32_t *first_id = realloc(s->first_id, n * sizeof *first_id);
-        if (first_id) s->first_id = first_id;
-        uint64_t *dk = realloc(s->dk, 2 * n * sizeof *dk);
-        if (dk) s->dk = dk;
-        int32_t *dt = realloc(s->dt, 2 * n * sizeof *dt);
-        if (dt) s->dt = dt;
-        int32_t *rank = realloc(s->rank, n * sizeof *rank);
-        if (rank) s->rank = rank;
-        if (!first_id || !dk || !dt || !rank)
-            return -1;
-        s->n = n;
-    }
-    if (cap > s->cap) {
-        uint64_t *slot_key = realloc(s->slot_key, cap * sizeof *slot_key);
-        if (slot_key) s->slot_key = slot_key;
-        int32_t *slot_id = realloc(s->slot_id, cap * sizeof *slot_id);
-        if (slot_id) s->slot_id = slot_id;
-        if (!slot_key || !slot_id)
-            return -1;
-        s->cap = cap;
-    }
-    return 0;
-}
-
 /* Returns the number of distinct values, or -1 when memory ran out. */
 static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *uniq, int32_t *inverse)
 {
@@ -128,11 +56,18 @@ static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *un
     while (cap < 2 * (size_t)n)
         cap <<= 1;
     const size_t mask = cap - 1;
-    scratch *s = thread_scratch();
-    if (s == NULL || reserve(s, (size_t)n, cap) < 0)
+    /* one block per call: the roles' allocator keeps it in the heap between batches
+     * (persia/allocator.py), so it is not mapped and faulted in again each time */
+    char *block = malloc(cap * (sizeof(uint64_t) + sizeof(int32_t))
+                         + (size_t)n * (2 * sizeof(uint64_t) + 4 * sizeof(int32_t)));
+    if (block == NULL)
         return -1;
-    uint64_t *slot_key = s->slot_key, *dk = s->dk; /* dk: distinct keys, then radix scratch */
-    int32_t *slot_id = s->slot_id, *first_id = s->first_id, *dt = s->dt, *rank = s->rank;
+    uint64_t *slot_key = (uint64_t *)block;       /* cap */
+    uint64_t *dk = slot_key + cap;                /* 2n: distinct keys, then radix scratch */
+    int32_t *slot_id = (int32_t *)(dk + 2 * n);   /* cap */
+    int32_t *first_id = slot_id + cap;            /* n */
+    int32_t *dt = first_id + n;                   /* 2n */
+    int32_t *rank = dt + 2 * n;                   /* n */
     memset(slot_id, 0xff, cap * sizeof *slot_id); /* EMPTY */
     Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -156,6 +91,7 @@ static Py_ssize_t unique_loop(const uint64_t *values, Py_ssize_t n, uint64_t *un
     }
     for (Py_ssize_t i = 0; i < n; i++)
         inverse[i] = rank[first_id[i]];
+    free(block);
     return k;
 }
 

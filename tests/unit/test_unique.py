@@ -72,10 +72,9 @@ def test_numpy_path_and_the_wrapper_checks():
 
 
 @needs_kernel
-def test_threads_that_end_give_their_scratch_back():
-    """Each thread keeps its scratch between calls; a thread that ends frees it. 100 short-lived
-    threads deduping 200k IDs each (about 12 MB of scratch apiece) leave the process about where
-    one of them did, with every result right."""
+def test_calls_from_many_threads_leave_no_memory_behind():
+    """Each call frees its scratch: 100 short-lived threads deduping 200k IDs each (about 12 MB of
+    scratch apiece) leave the process about where one of them did, with every result right."""
     import threading
 
     values = np.random.default_rng(5).integers(0, 2**64 - 1, 200_000, dtype=np.uint64, endpoint=True)
@@ -101,4 +100,4 @@ def test_threads_that_end_give_their_scratch_back():
         t.start()
         t.join()
     assert not wrong
-    assert rss() - before < 200 * 2**20  # kept, 100 scratches would be about 1.2 GB
+    assert rss() - before < 200 * 2**20  # 100 scratches kept would be about 1.2 GB
