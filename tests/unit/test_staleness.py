@@ -119,3 +119,63 @@ def test_the_lookahead_depth_is_capped_whatever_the_buffer():
     assert Lookahead(10).limit == Lookahead.MAX_DEPTH
     assert Lookahead(2).limit == 2
     assert Lookahead(10, max_depth=8).limit == 8
+
+
+class CountingCondition(threading.Condition):
+    """A condition that counts its notify_all calls: each one wakes every waiter (the dispatcher
+    and, before it had a condition of its own, the update flusher) and costs a GIL hand-off."""
+
+    def __init__(self):
+        super().__init__(threading.RLock())
+        self.notified = 0
+
+    def notify_all(self):
+        self.notified += 1
+        super().notify_all()
+
+
+def test_steps_notify_the_permit_waiters_only_when_they_raise_the_bound():
+    cond = CountingCondition()
+    bound = RampedStalenessBound(10, warmup_steps=100, cond=cond)
+    for step in range(1, 100):
+        bound.set_step(step)  # bound 1 throughout the warm-up
+    assert cond.notified == 0
+    bound.set_step(100)  # 1 -> 2
+    assert cond.notified == 1
+    for step in range(101, 5_000):
+        bound.set_step(step)
+    assert bound.limit == 10
+    raises = sum(1 for s in range(100, 5_000) if ramped_bound(s + 1, 10, 100) > ramped_bound(s, 10, 100))
+    assert cond.notified == 1 + raises  # once per raise: 2 -> 3 ... -> 10
+    before = cond.notified
+    for step in range(5_000, 6_000):
+        bound.set_step(step)  # past the ramp: the bound stays 10
+    assert cond.notified == before
+
+
+def test_an_unbounded_ramp_notifies_as_it_grows_and_a_bound_without_ramp_never():
+    cond = CountingCondition()
+    growing = RampedStalenessBound(None, warmup_steps=100, cond=cond)
+    for step in range(1, 1_000):
+        growing.set_step(step)
+    assert growing.limit == 6 and cond.notified == 5  # 1 -> 2 -> ... -> 6
+    cond = CountingCondition()
+    flat = RampedStalenessBound(10, warmup_steps=0, cond=cond)
+    for step in range(1, 500):
+        flat.set_step(step)
+    assert cond.notified == 0
+
+
+def test_the_lookahead_wakes_a_waiting_dispatcher_only_when_the_pipeline_deepens():
+    ahead = Lookahead(4)
+    ahead._cond = cond = CountingCondition()
+    ahead.record_lookup(0.001)  # nothing measured before: depth was the limit, now it falls
+    ahead.record_step(0.010)  # depth 2
+    assert cond.notified == 0
+    for _ in range(20):
+        ahead.record_step(0.010)  # unchanged
+    assert cond.notified == 0
+    ahead.record_lookup(0.050)  # lookups got slower: depth grows
+    assert cond.notified == 1
+    ahead.release()  # a batch trained: always a slot for the dispatcher
+    assert cond.notified == 2

@@ -44,12 +44,17 @@ class Lookahead:
 
     def record_lookup(self, seconds: float) -> None:
         with self._cond:
+            before = self.depth(self.lookup_s, self.step_s, self.limit)
             self.lookup_s = self._ema(self.lookup_s, seconds)
+            if self.depth(self.lookup_s, self.step_s, self.limit) > before:
+                self._cond.notify_all()
 
     def record_step(self, seconds: float) -> None:
         with self._cond:
+            before = self.depth(self.lookup_s, self.step_s, self.limit)
             self.step_s = self._ema(self.step_s, seconds)
-            self._cond.notify_all()
+            if self.depth(self.lookup_s, self.step_s, self.limit) > before:
+                self._cond.notify_all()  # a deeper pipeline frees a waiting dispatcher; else nothing does
 
     def acquire(self, stop: threading.Event) -> bool:
         with self._cond:

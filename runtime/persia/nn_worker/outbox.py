@@ -65,7 +65,14 @@ class UpdateOutbox:
         self.max_hold_s = max_hold_s
         self._clock = clock
         self._items: deque[PendingUpdate] = deque()
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The flusher's own condition on the same lock: the staleness permits share ``_cond`` and
+        # notify it on every release and step, which would wake the flusher about ten times a
+        # training step for nothing (each wake a GIL hand-off beside the training thread).
+        self._flusher_cond = threading.Condition(lock)
+        self._flusher_idle = False  # waiting for an update to be put, not for one's deadline
+        self.flusher_notified = 0  # times the flusher was woken by a notify (not a timeout)
         self._closed = False
         self.carried = 0  # updates that rode on a lookup
         self.sent_alone = 0
@@ -85,6 +92,10 @@ class UpdateOutbox:
                 raise RuntimeError("update outbox is closed")
             self._items.append(update)
             self._cond.notify_all()
+            if self._flusher_idle:
+                # A flusher waiting for an earlier update's deadline wakes by then anyway and looks
+                # again (that deadline comes first); only an idle one must hear of this update.
+                self._flusher_cond.notify()
 
     def claim_for(self, worker: int) -> list[PendingUpdate]:
         """Every pending update of ``worker``, oldest first, to carry on a lookup to it."""
@@ -129,7 +140,8 @@ class UpdateOutbox:
 
     @property
     def condition(self) -> threading.Condition:
-        """Notified on every put; the staleness permits share it (``TrainCtx._permit_condition``)."""
+        """Notified on every put; the staleness permits share it (``TrainCtx._permit_condition``).
+        The flusher does not wait on it."""
         return self._cond
 
     def due(self, now: float) -> list[PendingUpdate]:
@@ -152,6 +164,7 @@ class UpdateOutbox:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            self._flusher_cond.notify()
 
     def _send(self, items: list[PendingUpdate]) -> None:
         for u in items:
@@ -164,11 +177,16 @@ class UpdateOutbox:
                 if self._closed:
                     return
                 if not self._items:
-                    self._cond.wait(1.0)
+                    self._flusher_idle = True
+                    try:
+                        # no timeout: only put() and close() can end this wait, and both notify
+                        self.flusher_notified += self._flusher_cond.wait()
+                    finally:
+                        self._flusher_idle = False
                     continue
                 wait = self._items[0].queued_at + self.max_hold_s - self._clock()
                 if wait > 0:
-                    self._cond.wait(wait)
+                    self.flusher_notified += self._flusher_cond.wait(wait)
                     continue
             with self._send_lock or nullcontext():
                 self._send(self.due(self._clock()))

@@ -88,8 +88,13 @@ class RampedStalenessBound:
     def set_step(self, step: int) -> None:
         with self.cond:
             if step > self.step:
+                before = self.limit
                 self.step = step
-                self.cond.notify_all()
+                after = self.limit
+                if before is not None and (after is None or after > before):
+                    # only a raised bound can free a waiter; past the ramp the bound stays put
+                    # and a notify every step would wake the dispatcher and flusher for nothing
+                    self.cond.notify_all()
 
     def _free(self) -> bool:
         limit = self.limit
