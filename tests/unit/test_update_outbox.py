@@ -56,14 +56,21 @@ def test_updates_held_past_the_limit_are_due_in_order():
     assert [u.ref for u in box.due(clock())] == [2]
 
 
+class Recorder:
+    """``send_alone`` for a flusher under test: the refs it sent, and an event set at each send."""
+
+    def __init__(self):
+        self.sent: list[int] = []
+        self.done = threading.Event()
+
+    def __call__(self, u: PendingUpdate) -> None:
+        self.sent.append(u.ref)
+        self.done.set()
+
+
 def test_the_flusher_sends_an_update_no_lookup_claimed():
-    sent: list[int] = []
-    done = threading.Event()
-
-    def send(u):
-        sent.append(u.ref)
-        done.set()
-
+    send = Recorder()
+    sent, done = send.sent, send.done
     box = UpdateOutbox(send, max_hold_s=0.01)
     try:
         box.put(upd(0, 7))
@@ -176,13 +183,8 @@ def test_permit_traffic_on_the_shared_condition_does_not_wake_the_flusher():
 
 
 def test_an_update_put_while_the_flusher_waits_for_an_earlier_deadline_is_still_sent():
-    sent: list[int] = []
-    done = threading.Event()
-
-    def send(u):
-        sent.append(u.ref)
-        done.set()
-
+    send = Recorder()
+    sent, done = send.sent, send.done
     box = UpdateOutbox(send, max_hold_s=0.5)  # long enough to claim the first update first
     try:
         _poll("the flusher to wait for updates", lambda: box._flusher_idle)
