@@ -43,16 +43,15 @@ class Lookahead:
         return new if old is None else (1 - self.alpha) * old + self.alpha * new
 
     def record_lookup(self, seconds: float) -> None:
-        with self._cond:
-            before = self.depth(self.lookup_s, self.step_s, self.limit)
-            self.lookup_s = self._ema(self.lookup_s, seconds)
-            if self.depth(self.lookup_s, self.step_s, self.limit) > before:
-                self._cond.notify_all()
+        self._record("lookup_s", seconds)
 
     def record_step(self, seconds: float) -> None:
+        self._record("step_s", seconds)
+
+    def _record(self, name: str, seconds: float) -> None:
         with self._cond:
             before = self.depth(self.lookup_s, self.step_s, self.limit)
-            self.step_s = self._ema(self.step_s, seconds)
+            setattr(self, name, self._ema(getattr(self, name), seconds))
             if self.depth(self.lookup_s, self.step_s, self.limit) > before:
                 self._cond.notify_all()  # a deeper pipeline frees a waiting dispatcher; else nothing does
 
