@@ -15,6 +15,7 @@ import torch
 
 from bench import _paths  # noqa: F401  (puts synthetic_ctr on sys.path)
 from bench.spec import RunSpec
+from persia.nn_worker.denormals import FlushDenormals
 from synthetic_ctr.manifest import load_manifest
 from synthetic_ctr.reader import Batch, read_chunks
 from synthetic_ctr.training import auc_and_logloss, eval_schedule, peak_rss_mb, set_threads
@@ -41,6 +42,17 @@ def evaluate(trainer: Trainer, batches: list[Batch]) -> tuple[float, float]:
 
 
 def run_training(spec: RunSpec, build: Callable[[RunSpec], Trainer], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    # the numerics our NN worker trains with: denormals flushed to zero on every torch thread (Adam
+    # on denormals runs many times slower), for this call only (tests run it in their process)
+    denormals = FlushDenormals({})
+    denormals.start()
+    try:
+        return _run_training(spec, build, extra) | {"flush_denormal": denormals.why}
+    finally:
+        denormals.stop()
+
+
+def _run_training(spec: RunSpec, build: Callable[[RunSpec], Trainer], extra: dict[str, Any] | None) -> dict[str, Any]:
     wall_start = time.perf_counter()
     threads = set_threads(spec.threads)
     torch.manual_seed(spec.seed)

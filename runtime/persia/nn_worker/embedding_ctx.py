@@ -23,6 +23,7 @@ from persia.embedding_worker.service import discover
 from persia.errors import BatchLost, PersiaError, RemoteError, TooManyWaiting, answered_with
 from persia.nn_worker import embedding_tensors
 from persia.nn_worker.checkpoint import EmbeddingCheckpoints
+from persia.nn_worker.denormals import FlushDenormals
 from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
@@ -65,6 +66,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         **kwargs,
     ):
         device_id = args[1] if len(args) > 1 else kwargs.pop("device_id", None)  # BaseCtx's 2nd argument
+        self._denormals = FlushDenormals()  # reads PERSIA_FLUSH_DENORMAL now: a bad value fails here
         super().__init__(*args[:1], device_id=inherited_device_id(device_id, cnt_ctx()), **kwargs)
         self.preprocess_mode = preprocess_mode
         self.model = model
@@ -83,6 +85,23 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         self._load_error: BaseException | None = None
         self._permits: threading.BoundedSemaphore | None = None
         self._nn_info_sub = None
+
+    def __enter__(self):
+        # the outermost NN worker context flushes denormals on its thread for its span (an
+        # eval_ctx inside a TrainCtx finds it done); threads it starts inherit the setting
+        if not any(isinstance(c, EmbeddingCtx) for c in ctx_stack()):
+            self._denormals.start()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._denormals.stop()
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        finally:
+            self._denormals.stop()
 
     # -- discovery --------------------------------------------------------------------------------
     def _enter(self) -> None:
