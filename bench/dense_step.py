@@ -64,17 +64,13 @@ def measure(mlp: str, batch_size: int, steps: int, seed: int = 0) -> dict[str, f
         if i % 20 == 0:
             all_finite(list(model.parameters()))
 
-    denormals = FlushDenormals({})  # as the NN worker trains; for this call only (tests call it in-process)
-    denormals.start()
-    try:
+    with FlushDenormals({}):  # as the NN worker trains; for this call only (tests call it in-process)
         for i in range(max(3, steps // 10)):
             step(i)
         t0, c0 = time.perf_counter(), time.process_time()
         for i in range(steps):
             step(i)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    finally:
-        denormals.stop()
     return {"ms_per_step": wall / steps * 1e3, "samples_per_sec": steps * batch_size / wall, "cpu_per_wall": cpu / wall}
 
 

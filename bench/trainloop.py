@@ -44,12 +44,8 @@ def evaluate(trainer: Trainer, batches: list[Batch]) -> tuple[float, float]:
 def run_training(spec: RunSpec, build: Callable[[RunSpec], Trainer], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     # the numerics our NN worker trains with: denormals flushed to zero on every torch thread (Adam
     # on denormals runs many times slower), for this call only (tests run it in their process)
-    denormals = FlushDenormals({})
-    denormals.start()
-    try:
+    with FlushDenormals({}) as denormals:
         return _run_training(spec, build, extra) | {"flush_denormal": denormals.why}
-    finally:
-        denormals.stop()
 
 
 def _run_training(spec: RunSpec, build: Callable[[RunSpec], Trainer], extra: dict[str, Any] | None) -> dict[str, Any]:

@@ -54,6 +54,7 @@ def ieee_denormals_after_each_test():
     test that leaves this thread flushing would break later tests far from the cause (hypothesis
     refuses to draw floats then), so the test that leaked fails here, naming the cause."""
     yield
-    if 5e-324 * 1.0 == 0.0:  # the smallest float64 denormal, flushed to zero
+    smallest = float("5e-324")  # the smallest float64 denormal, made at run time (not folded)
+    if smallest * 1.0 == 0.0:  # FTZ flushes the denormal product, DAZ its denormal input
         pytest.fail("this test left its thread flushing denormals to zero (MXCSR FTZ/DAZ): "
                     "a FlushDenormals span started and never stopped", pytrace=False)

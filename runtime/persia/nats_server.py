@@ -23,6 +23,13 @@ MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 DEFAULT_GO_MAX_PROCS = 1
 
 
+def checked_go_max_procs(go_max_procs: int | None) -> int | None:
+    """``go_max_procs`` itself, or a ValueError naming it when it is below 1."""
+    if go_max_procs is not None and go_max_procs < 1:
+        raise ValueError(f"go_max_procs must be >= 1 or None, got {go_max_procs}")
+    return go_max_procs
+
+
 def server_environ(environ: dict[str, str], go_max_procs: int | None) -> dict[str, str]:
     """The environment the nats-server process gets: ours, with ``GOMAXPROCS`` set to
     ``go_max_procs`` unless the environment already names one (the operator's choice wins).
@@ -32,10 +39,8 @@ def server_environ(environ: dict[str, str], go_max_procs: int | None) -> dict[st
     hypervisor round trip. One processor cut the server's CPU per request and reply by about a
     quarter (docs/benchmarks.md, session 17) with no added latency. ``None``: Go's default (one
     processor per CPU)."""
-    if go_max_procs is not None and go_max_procs < 1:
-        raise ValueError(f"go_max_procs must be >= 1 or None, got {go_max_procs}")
     env = dict(environ)
-    if go_max_procs is not None and not env.get("GOMAXPROCS"):
+    if checked_go_max_procs(go_max_procs) is not None and not env.get("GOMAXPROCS"):
         env["GOMAXPROCS"] = str(go_max_procs)
     return env
 
@@ -59,8 +64,7 @@ class NatsServer:
     def __init__(self, max_payload: int = MAX_PAYLOAD_LIMIT, host: str = "127.0.0.1", log_file=None,
                  auth: bool = True, port: int = -1, extra_config: str = "",
                  go_max_procs: int | None = DEFAULT_GO_MAX_PROCS):
-        server_environ({}, go_max_procs)  # a bad value fails here, not at start
-        self.go_max_procs = go_max_procs
+        self.go_max_procs = checked_go_max_procs(go_max_procs)  # a bad value fails here, not at start
         if not 0 < max_payload <= MAX_PAYLOAD_LIMIT:
             raise ValueError(f"max_payload must be in 1..{MAX_PAYLOAD_LIMIT} bytes, got {max_payload}")
         self.max_payload = max_payload

@@ -53,3 +53,8 @@ def test_the_started_server_runs_with_it(monkeypatch):
     monkeypatch.setenv("GOMAXPROCS", "3")
     with NatsServer() as server:
         assert _process_environ(server.process.pid).get("GOMAXPROCS") == "3"
+
+
+def test_the_pure_decision_refuses_a_bad_count_too():
+    with pytest.raises(ValueError, match=r"go_max_procs must be >= 1 or None, got 0"):
+        server_environ({}, 0)

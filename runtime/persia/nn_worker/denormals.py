@@ -114,7 +114,8 @@ def set_flush(on: bool) -> str:
 
 class FlushDenormals:
     """Denormals flushed on the entering thread and its OpenMP team from :meth:`start` to
-    :meth:`stop`; the setting is read (and a bad value refused) when it is made."""
+    :meth:`stop` (or for a ``with`` block); the setting is read (and a bad value refused) when it
+    is made."""
 
     def __init__(self, environ: Mapping[str, str] | None = None):
         self.enabled, self.why = denormal_plan(os.environ if environ is None else environ)
@@ -134,3 +135,10 @@ class FlushDenormals:
         if self._set:
             self._set = False
             set_flush(False)
+
+    def __enter__(self) -> "FlushDenormals":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
