@@ -23,6 +23,18 @@ def _int_env(name: str, default: int | None) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> int:
+    """``raw`` (the value of environment variable ``name``) as an int from ``low`` to ``high``; a
+    ValueError names the variable, the range (and ``also``, what else it may be) and the value."""
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if not low <= value <= high:
+        raise ValueError(f"environment variable {name} must be an integer from {low} to {high}{also}, got {raw!r}")
+    return value
+
+
 def get_rank() -> int | None:
     return _int_env("RANK", None)
 

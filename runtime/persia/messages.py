@@ -28,6 +28,8 @@ MAX_CARRIED_UPDATES = 1024
 """Earlier batches' updates one lookup may carry (at most the NN worker's backward buffer)."""
 MAX_GROUPED_LOOKUPS = 8
 """Batches one ``Step`` may look up together (``persia.nn_worker.lookup_group``)."""
+MAX_SEND_GROUP = 16
+"""Batches in one data-loader message (``persia.data_loader.grouping``)."""
 
 
 class MessageError(ValueError):
@@ -110,6 +112,20 @@ class Batch(_Msg):
     non_id: Annotated[list[NamedArray], Field(max_length=MAX_ITEMS)] = []
     labels: Annotated[list[NamedArray], Field(max_length=MAX_ITEMS)] = []
     meta: bytes | None = None
+
+
+class ForwardGroup(_Msg):
+    """``ew.forward_group.<k>``: several batches' ID features from one data loader
+    (``PERSIA_DATA_GROUP``), each buffered as a lone ``ew.forward`` would be."""
+
+    batches: Annotated[list[Forward], Field(min_length=1, max_length=MAX_SEND_GROUP)]
+
+
+class BatchGroup(_Msg):
+    """``nn.batch_group.<rank>``: several batches' dense parts from one data loader, each queued
+    as a lone ``nn.batch`` would be, in order."""
+
+    batches: Annotated[list[Batch], Field(min_length=1, max_length=MAX_SEND_GROUP)]
 
 
 class EndOfStream(_Msg):

@@ -174,10 +174,10 @@ class GrpcTls:
 SIGNED_METHODS = frozenset({
     ("ps", "clear"), ("ps", "dump"), ("ps", "load"), ("ps", "configure"), ("ps", "register_optimizer"),
     ("ps", "stage"), ("ps", "commit"), ("ps", "abort"),
-    ("nn", "eos"), ("nn", "batch"),
+    ("nn", "eos"), ("nn", "batch"), ("nn", "batch_group"),
 })
 """Controls that destroy state, write files, end training or feed it: signed when a job secret is
-set. (``ew.forward`` is not: a forged one only fills a bounded, expiring buffer, and its payload
+set. (``ew.forward`` and ``ew.forward_group`` are not: a forged one only fills a bounded, expiring buffer, and its payload
 is the largest.)"""
 
 SIGNATURE_HEADER = "Persia-Signature"

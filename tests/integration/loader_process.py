@@ -1,9 +1,10 @@
 """A data-loader process for tests: ``python -m tests.integration.loader_process FIRST COUNT [HOLD]``
 sends batches ``make_batch(FIRST .. FIRST+COUNT-1)`` in one ``DataCtx`` and ends its stream.
 
-With ``HOLD`` (a batch id of this process), that batch's ID leg never leaves: its request waits
-forever while the dense leg goes to the NN rank as usual, so a test can kill the process between
-the two legs of a batch. The process prints ``holding <id>`` when it gets there."""
+With ``HOLD`` (a batch id of this process), that batch's ID leg never leaves: its request (with
+the batches grouped with it, ``PERSIA_DATA_GROUP``) waits forever while the dense leg goes to the
+NN rank as usual, so a test can kill the process between the two legs of a batch. The process
+prints ``holding <id>`` when it gets there."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def main(first: int, count: int, hold: int | None) -> None:
         send = NatsBus.arequest_retry
 
         async def held(self, subj, obj=None, **kwargs):
-            if ".ew.forward." in subj and isinstance(obj, dict) and obj.get("batch_id") == hold:
+            batches = obj.get("batches", [obj]) if isinstance(obj, dict) else []
+            if ".ew.forward" in subj and any(b.get("batch_id") == hold for b in batches):
                 print(f"holding {hold}", flush=True)
                 await asyncio.Event().wait()  # never set: the ID leg stays between here and there
             return await send(self, subj, obj, **kwargs)

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _loader(*args: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.integration.loader_process", *map(str, args)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))  # PERSIA_DATA_GROUP too
 
 
 def _poll(cond, what: str, deadline_s: float = 60.0) -> None:
@@ -44,7 +44,12 @@ def _poll(cond, what: str, deadline_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imbalance(persia_env, caplog):
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imbalance(persia_env, caplog,
+                                                                                      monkeypatch, group):
+    """``group`` 2 (the default): batch 3 travels with batch 2, so both lose their ID features."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", str(group))
+    lost_ids = [3] if group == 1 else [2, 3]
     caplog.set_level(logging.INFO)
     config = {**GLOBAL_CONFIG, "embedding_worker_config": {**GLOBAL_CONFIG["embedding_worker_config"],
                                                            "lookup_wait_sec": 1}}
@@ -82,18 +87,20 @@ def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imba
     assert "error" not in out, out
     assert "holding 3" in out["first"][-1] and out["first_rc"] == -signal.SIGKILL
     assert out["second_rc"] == 0 and "stream ended" in out["second"], out["second"]
-    # the first process's batches 0-2 trained and batch 3 lost; the second process skips those four
-    # (the rank acknowledged them) and sends 4 and 5. Before: it replayed all six, 0-3 again
-    assert seen == [0, 1, 2, 4, 5]
+    # the first process's batches 0-2 trained and batch 3 lost (with batch 2, in a group); the second
+    # process skips those four (the rank acknowledged them) and sends 4 and 5. Before: it replayed
+    # all six, 0-3 again
+    assert seen == [b for b in range(6) if b not in lost_ids]
     lost = [r.getMessage() for r in caplog.records
             if r.name == "persia.nn_worker.loader" and "lost_id_features" in r.getMessage()]
-    assert len(lost) == 1 and "batch 3 of data loader 0" in lost[0] and "lookup wait" in lost[0]
+    assert len(lost) == len(lost_ids) and all("lookup wait" in m for m in lost)
+    assert all(any(f"batch {b} of data loader 0" in m for m in lost) for b in lost_ids)
     assert "the NN ranks already have 4 of this loader's batches" in out["second"], out["second"]
     # every batch once: announced 2 (the second process), 4 arrived from the killed one (3 trained,
     # batch 3 failed), nothing unaccounted; before, the summary said "-4 ... NOT accounted for"
     result = ACCOUNT.as_result()
-    assert result == {"batches_sent": 2, "batches_unannounced": 4, "batches_trained": 5, "batches_evaluated": 0,
-                      "batches_failed": {"lost_id_features": 1}}
+    assert result == {"batches_sent": 2, "batches_unannounced": 4, "batches_trained": 6 - len(lost_ids),
+                      "batches_evaluated": 0, "batches_failed": {"lost_id_features": len(lost_ids)}}
     assert ACCOUNT.unaccounted() == 0
     summary = [r for r in caplog.records if r.name == "persia.nn_worker.accounting"]
     assert len(summary) == 1 and summary[0].levelno == logging.INFO, [r.getMessage() for r in summary]

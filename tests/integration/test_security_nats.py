@@ -92,6 +92,7 @@ def test_forged_controls_are_refused_and_change_nothing(job, tmp_path):
         subject("ps", "register_optimizer", 0): {"type": "SGD", "lr": 100.0},
         subject("nn", "eos", 0): {"loader": 0, "loader_size": 1, "sent": 0},
         subject("nn", "batch", 0): {"batch_id": 0, "ref": 1, "worker": 0, "non_id": [], "labels": []},
+        subject("nn", "batch_group", 0): {"batches": [{"batch_id": 0, "ref": 1, "worker": 0}]},
     }
     for subj, payload in forged.items():
         # signed with another job's secret, and not signed at all
@@ -138,8 +139,8 @@ SERVED = [
     (("ps", "configure", 0), M.Configure), (("ps", "register_optimizer", 0), M.RegisterOptimizer),
     (("ps", "dump", 0), M.CheckpointDir), (("ps", "load", 0), M.CheckpointDir), (("ps", "clear", 0), M.NoPayload),
     (("ps", "status", 0), M.NoPayload), (("ps", "info", None), M.NoPayload),
-    (("ew", "forward", 0), M.Forward), (("ew", "info", None), M.NoPayload),
-    (("nn", "eos", 0), M.EndOfStream), (("nn", "batch", 0), M.Batch),
+    (("ew", "forward", 0), M.Forward), (("ew", "forward_group", 0), M.ForwardGroup), (("ew", "info", None), M.NoPayload),
+    (("nn", "eos", 0), M.EndOfStream), (("nn", "batch", 0), M.Batch), (("nn", "batch_group", 0), M.BatchGroup),
     (("rdzv", "claim", None), M.RendezvousClaim), (("rdzv", "renew", None), M.RendezvousRenew),
 ]
 

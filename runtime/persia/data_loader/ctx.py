@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import threading
 import time
 
 import nats.errors
@@ -12,6 +14,8 @@ from persia import env
 from persia.bus import NatsBus, shared_bus, subject
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
+from persia.data_loader.grouping import (HeldBatch, SendGroups, data_group_setting, fits_group, hold_setting,
+                                        id_leg_failures)
 from persia.data_loader.resume import StreamPosition, live_resume, loader_count_error, position_from_info
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
@@ -57,12 +61,19 @@ def _process_position(session: str, resume: dict | None, live, loader_index: int
     return _positions[key]
 
 
+def _batches(group: list[HeldBatch]) -> str:
+    return f"batch{'es' if len(group) > 1 else ''} {', '.join(str(b.batch_id) for b in group)}"
+
+
 class DataCtx(BaseCtx):
     """Sends PersiaBatch to the embedding workers (ID features) and NN workers (the rest).
 
     Round-robin over embedding workers; NN rank = ``batch_id % world_size`` with ``batch_id =
-    counter * loader_replica_size + loader_replica_index``. Leaving the ``with`` block sends each
-    NN rank an end-of-stream message carrying how many batches this loader sent it.
+    counter * loader_replica_size + loader_replica_index``. Batches for the same worker and rank go
+    ``PERSIA_DATA_GROUP`` (default 2) to a message on each leg, so ``send_data`` may return holding
+    its batch for the next one (``persia.data_loader.grouping``). Leaving the ``with`` block sends
+    what is held, then each NN rank an end-of-stream message carrying how many batches this loader
+    sent it.
     """
 
     def __init__(self, *args, discovery_deadline_s: float = 600.0, send_deadline_s: float = 600.0, **kwargs):
@@ -73,6 +84,13 @@ class DataCtx(BaseCtx):
         self.replica_size = (env.get_world_size() or 1) if size is None else size
         env.check_replica(self.replica_index, self.replica_size, "data loader")
         self.send_deadline_s = send_deadline_s
+        self._groups = SendGroups(data_group_setting(os.environ))  # checked before anything is sent
+        self._hold_s = hold_setting(os.environ)
+        # guards the held batches and the sends (one at a time, so each rank gets its batches in
+        # order); the hold thread waits on it
+        self._sending = threading.Condition()
+        self._late: BaseException | None = None  # a send of the hold thread that failed, raised next
+        self._holder: threading.Thread | None = None
         self.bus: NatsBus = shared_bus()
         ew = self.bus.request_retry(subject("ew", "info"), None, deadline_s=discovery_deadline_s, timeout=2.0,
                                     what="waiting for embedding workers")
@@ -122,6 +140,8 @@ class DataCtx(BaseCtx):
             raise TypeError(f"send_data expects a PersiaBatch, got {type(persia_batch).__name__}")
         if persia_batch.batch_id is not None:
             raise PersiaError(f"this PersiaBatch was already sent (batch_id {persia_batch.batch_id})")
+        with self._sending:
+            self._raise_late()  # before this batch takes an id: it was not sent, and may be again
         # The id is spent even if a leg fails below: a retried batch gets a new one, so nobody ever
         # answers it with another batch's buffered features.
         batch_id = self._stream.next_id(self.replica_index, self.replica_size)
@@ -161,31 +181,96 @@ class DataCtx(BaseCtx):
         except Exception as exc:
             self._failed(leg, batch_id, exc)
             raise
+        held = HeldBatch(worker, rank, batch_id, ref, ids, dense, persia_batch, held_at=time.monotonic())
+        persia_batch.batch_id = batch_id  # held or sent: this object is not sent twice
+        with self._sending:
+            if self._groups.size > 1 and not fits_group(held, self._groups.size, self.bus.max_payload):
+                # too large to share a message: whatever waits for its worker and rank goes first
+                for group in self._groups.take(worker, rank):
+                    self._send_group(group)
+                self._send_group([held])
+                return
+            group = self._groups.add(held)
+            if group is not None:
+                self._send_group(group)
+            elif self._holder is None:
+                self._holder = threading.Thread(target=self._send_overdue, name="persia-data-group-hold", daemon=True)
+                self._holder.start()
+
+    def _send_overdue(self) -> None:
+        """The hold thread: every half hold, send the groups whose first batch has waited a hold
+        (a loader that produces slowly is not held back by its group); stops at close."""
+        with self._sending:
+            while not self._closed:
+                self._sending.wait(self._hold_s / 2)
+                if self._closed:
+                    return
+                for group in self._groups.take_held_since(time.monotonic() - self._hold_s):
+                    try:
+                        self._send_group(group)
+                    except Exception as exc:  # noqa: BLE001 - counted and logged; raised by the next call
+                        self._late = self._late or exc
+
+    def _raise_late(self) -> None:
+        """A send of the hold thread failed: raised from the next ``send_data`` (or the close)."""
+        late, self._late = self._late, None
+        if late is not None:
+            raise late
+
+    def _send_group(self, group: list[HeldBatch]) -> None:
+        """Send batches of one (embedding worker, NN rank), one message per leg; each is counted
+        as acknowledged, or as failed and the error raised, naming it."""
+        worker, rank = group[0].worker, group[0].rank
+        what = _batches(group)
+        if len(group) == 1:
+            legs = (("forward", group[0].ids), ("batch", group[0].dense))
+        else:
+            legs = (("forward_group", {"batches": [b.ids for b in group]}),
+                    ("batch_group", {"batches": [b.dense for b in group]}))
         # Both legs at once (one round trip, not two): the NN worker names the ID features by the
         # ref chosen here, and its lookup waits for them on the worker if it comes first.
         id_leg, dense_leg = self.bus.request_retry_all(
-            (subject("ew", "forward", worker), ids,
+            (subject("ew", legs[0][0], worker), legs[0][1],
              {"deadline_s": self.send_deadline_s,
-              "what": f"sending ID features of batch {batch_id} to embedding worker {worker}"}),
-            (subject("nn", "batch", rank), dense,
-             {"deadline_s": self.send_deadline_s, "what": f"sending batch {batch_id} to NN rank {rank}"}),
+              "what": f"sending ID features of {what} to embedding worker {worker}"}),
+            (subject("nn", legs[1][0], rank), legs[1][1],
+             {"deadline_s": self.send_deadline_s, "what": f"sending {what} to NN rank {rank}"}),
         )
-        failed = next((e for e in (id_leg, dense_leg) if isinstance(e, BaseException)), None)
-        if failed is None:
-            persia_batch.batch_id = batch_id
-            self._stream.acknowledged(rank)
-            return
-        # Its ID features wait on the worker for nobody, or will never come: the worker drops or
-        # refuses them, and a lookup waiting for them fails now.
-        self._release(worker, ref)
         if isinstance(dense_leg, BaseException):
-            self._failed("id_features" if isinstance(id_leg, BaseException) else "dense", batch_id, failed)
-        else:
-            # the NN rank has the batch: it is in that rank's count, which fails it (lost_id_features)
+            # not delivered: their ID features wait on the worker for nobody (handed back), and
+            # their ids are spent (a retried batch gets a new one, never another batch's features)
+            self._release(worker, [b.ref for b in group])
+            leg = "id_features" if isinstance(id_leg, BaseException) else "dense"
+            for b in group:
+                b.batch.batch_id = None
+                self._failed(leg, b.batch_id, dense_leg)
+            raise dense_leg
+        for _ in group:  # the NN rank has them all: each is in its count, trained or failed there
             self._stream.acknowledged(rank)
-            log.error("batch %d: ID features not sent (%s: %s); NN rank %d counts it as failed (lost_id_features)",
-                      batch_id, type(id_leg).__name__, id_leg, rank)
-        raise failed
+        lost = id_leg_failures(group, id_leg)
+        if not lost:
+            return
+        # Their ID features will never come: the worker is told, so a lookup waiting for them
+        # fails now, and the NN rank counts them as failed (lost_id_features).
+        self._release(worker, [b.ref for b, _ in lost])
+        for b, why in lost:
+            b.batch.batch_id = None
+            log.error("batch %d: ID features not sent (%s); NN rank %d counts it as failed (lost_id_features)",
+                      b.batch_id, why, rank)
+        if isinstance(id_leg, BaseException):
+            raise id_leg
+        raise PersiaError(f"embedding worker {worker} refused the ID features of "
+                          + "; ".join(f"batch {b.batch_id}: {why}" for b, why in lost))
+
+    def _send_held(self) -> BaseException | None:
+        """Send every batch still held (at the end of an epoch); the first failure, after trying all."""
+        first = None
+        for group in self._groups.drain():
+            try:
+                self._send_group(group)
+            except Exception as exc:  # noqa: BLE001 - counted and logged by _send_group; raised by close
+                first = first or exc
+        return first
 
     def _failed(self, leg: str, batch_id: int, exc: BaseException) -> None:
         reason = f"send_{leg}"
@@ -193,11 +278,11 @@ class DataCtx(BaseCtx):
             self._stream.failed[reason] += 1
         log.error("batch %d not sent (%s: %s); it is counted as failed (%s)", batch_id, type(exc).__name__, exc, reason)
 
-    def _release(self, worker: int, ref: int) -> None:
+    def _release(self, worker: int, refs: list[int]) -> None:
         try:
-            self.bus.request(subject("ew", "release", worker), {"refs": [int(ref)]}, timeout=5.0)
-        except Exception as exc:  # noqa: BLE001 - the worker's buffer expires it anyway, with a count
-            log.warning("could not release batch ref %d on embedding worker %d: %s", ref, worker, exc)
+            self.bus.request(subject("ew", "release", worker), {"refs": [int(r) for r in refs]}, timeout=5.0)
+        except Exception as exc:  # noqa: BLE001 - the worker's buffer expires them anyway, with a count
+            log.warning("could not release batch refs %s on embedding worker %d: %s", refs, worker, exc)
 
     @property
     def sent(self) -> int:
@@ -249,7 +334,18 @@ class DataCtx(BaseCtx):
         """End this epoch (or, with ``failure``, the whole stream, so the trainer stops and says why)."""
         if self._closed:
             return
-        self._closed = True
+        with self._sending:
+            held_failed = self._send_held() or self._late  # before the end of the epoch, which counts them
+            self._late = None
+            self._closed = True
+            self._sending.notify_all()  # the hold thread ends
+        if self._holder is not None:
+            self._holder.join()
+        if held_failed is not None and failure is None:
+            # as if the send_data that held them had raised in the with-block: the stream fails
+            failure = f"{type(held_failed).__name__}: {held_failed}"
+        else:
+            held_failed = None
         epoch, sent = self._stream.end_epoch()
         message = {"loader": self.replica_index, "loader_size": self.replica_size, "session": self._stream.session,
                    "epoch": epoch, "final": failure is not None, "failed": failure,
@@ -260,6 +356,8 @@ class DataCtx(BaseCtx):
             self._stream.ended = True
         log.info("data loader %d: epoch %d done, %d batches%s", self.replica_index, epoch, sum(sent.values()),
                  f" (skipped {self.skipped} trained before the restart)" if self.skipped else "")
+        if held_failed is not None:
+            raise held_failed  # the batches held for a group were not delivered: not silently
 
     def _exit(self, exc: BaseException | None) -> None:
         self.close(None if exc is None else f"{type(exc).__name__}: {exc}")

@@ -151,10 +151,32 @@ class EmbeddingWorker:
         bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False, schema=M.Forward)
+        bus.serve(subject("ew", "forward_group", self.replica_index), self.on_forward_group, blocking=False,
+                  schema=M.ForwardGroup)
         # a data loader whose batch did not go through hands the ID features back (or, when they
         # never arrived here, says they never will: a lookup waiting for them fails now)
         bus.serve(subject("ew", "release", self.replica_index), self.release, blocking=False, schema=M.WorkerRelease)
         bus.flush()
+
+    def on_forward_group(self, req: dict) -> Any:
+        """Several batches' ID features (``PERSIA_DATA_GROUP``), each taken as ``on_forward`` takes
+        a lone one, so each has its own outcome: ``refs[i]`` (None where it was refused) and
+        ``errors[i]`` (why, else None). A full buffer answers busy after buffering those before
+        it; the loader's retry of the group finds them under the refs they got."""
+        refs: list = []
+        errors: list = []
+        for batch in req["batches"]:
+            try:
+                answer = self.on_forward(batch)
+            except (ValueError, KeyError, TypeError, LookupError) as exc:  # this batch's input
+                refs.append(None)
+                errors.append(f"{type(exc).__name__}: {exc}")
+                continue
+            if answer is BUSY:
+                return BUSY
+            refs.append(answer)
+            errors.append(None)
+        return {"refs": refs, "errors": errors}
 
     def on_forward(self, req: dict) -> Any:
         """A data loader's ID features: validate now (a bad batch is rejected at the sender), buffer

@@ -119,6 +119,8 @@ class StreamingDataset(IterableDatasetBase):
         self._subs = [
             bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch,
                       try_first=self._on_batch_now),
+            bus.serve(subject("nn", "batch_group", rank), self._on_group, schema=M.BatchGroup,
+                      try_first=self._on_group_now),
             bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
         ]
         bus.flush()
@@ -172,6 +174,20 @@ class StreamingDataset(IterableDatasetBase):
         with self._lock:
             self._state.seen.discard(key)
         return BUSY if wait else WOULD_BLOCK
+
+    def _on_group(self, msg: dict, wait: bool = True) -> Any:
+        """Several batches of one data loader (``PERSIA_DATA_GROUP``), queued in order as lone
+        ones would be. A full buffer answers busy (or, tried first, would-block) after queueing
+        those before it: they count as seen, so the retry of the group queues only the rest."""
+        for batch in msg["batches"]:
+            answer = self._on_batch(batch, wait)
+            if answer is BUSY or answer is WOULD_BLOCK:
+                return answer
+        return {"queued": True}
+
+    def _on_group_now(self, msg: dict) -> Any:
+        """``_on_group`` on the bus's loop thread while the buffer has room (see ``_on_batch_now``)."""
+        return self._on_group(msg, wait=False)
 
     def _on_batch_now(self, msg: dict) -> Any:
         """``_on_batch`` on the bus's loop thread when the buffer has room (most batches): no

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+from persia.env import int_in_range
 from persia.messages import MAX_GROUPED_LOOKUPS
 
 ENV_LOOKUP_GROUP = "PERSIA_LOOKUP_GROUP"
@@ -26,14 +27,7 @@ def lookup_group_setting(environ: dict[str, str] | None = None) -> int | None:
     raw = (os.environ if environ is None else environ).get(ENV_LOOKUP_GROUP, "").strip()
     if raw in ("", "auto"):
         return None
-    try:
-        group = int(raw)
-    except ValueError:
-        group = 0
-    if not 1 <= group <= MAX_GROUPED_LOOKUPS:
-        raise ValueError(f"environment variable {ENV_LOOKUP_GROUP} must be an integer from 1 to "
-                         f"{MAX_GROUPED_LOOKUPS} or 'auto', got {raw!r}")
-    return group
+    return int_in_range(ENV_LOOKUP_GROUP, raw, 1, MAX_GROUPED_LOOKUPS, also=" or 'auto'")
 
 
 def lookup_group_size(setting: int | None, replays_own_updates: bool, world_size: int) -> int:

@@ -1,0 +1,192 @@
+"""A data loader sends batches two to a message on each leg (``PERSIA_DATA_GROUP``, the default):
+real nats-server, real embedding worker and PS on loopback, a real DataCtx (in a thread), a real
+TrainCtx with torch. A passive NATS subscriber counts the messages on each subject."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from persia.bus import NatsBus, subject
+from persia.ctx import DataCtx, TrainCtx
+from persia.data import DataLoader, StreamingDataset
+from persia.data_loader import stream as loader_stream
+from persia.data_loader.stream import end_of_stream
+from persia.embedding.optim import SGD
+from persia.errors import PersiaError
+from persia.nn_worker.accounting import ACCOUNT
+
+from .cluster import GLOBAL_CONFIG, cluster
+from .test_training_path import Model, make_batch
+
+pytestmark = pytest.mark.integration
+
+LEGS = (("ew", "forward"), ("ew", "forward_group"), ("nn", "batch"), ("nn", "batch_group"))
+
+
+def counted(counts: Counter, until) -> None:
+    """Until ``until(counts)`` holds (the spy's callbacks may trail the trainer by a moment),
+    polled with a 10 s deadline."""
+    end = time.monotonic() + 10
+    while not until(counts) and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def send_all(ctx, batches, errors, _trained) -> None:
+    for b in batches:
+        try:
+            ctx.send_data(b)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+
+def train_grouped(batches, until, forward_buffer_size: int = 8, send=send_all):
+    """Train ``batches`` sent by one data loader thread (``send(ctx, batches, errors, trained)``,
+    by default each in turn, going on after a failed send; ``trained`` is the list of batch ids
+    trained so far); ``(batch ids trained, send errors, messages per leg subject)``, the counts
+    once ``until`` holds for them (or 10 s passed)."""
+    config = {**GLOBAL_CONFIG, "embedding_worker_config": {"forward_buffer_size": forward_buffer_size}}
+    errors, seen, counts = [], [], Counter()
+    with cluster(global_config=config):
+        spy = NatsBus(name="spy")
+        try:
+            for service, method in LEGS:  # no reply from here: the role's own subscription answers
+                spy.subscribe_events(subject(service, method, 0), lambda _m, k=method: counts.update([k]))
+            spy.flush()
+            loader_stream.reset()
+
+            def loader():
+                with DataCtx() as ctx:
+                    send(ctx, batches, errors, seen)
+                end_of_stream()
+
+            t = threading.Thread(target=loader, daemon=True)
+            t.start()
+            model = Model()
+            with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+                for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+                    seen.append(batch.batch_id)
+                    out, labels = ctx.forward(batch)
+                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+            t.join(60)
+            counted(counts, until)
+        finally:
+            spy.close()
+    return seen, errors, counts
+
+
+def test_batches_go_two_to_a_message_and_the_last_one_at_close(persia_env, monkeypatch):
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    # 0+1 and 2+3 in one message on each leg; batch 4, held for a partner, went when the
+    # DataCtx closed, alone
+    expected = {"forward_group": 2, "batch_group": 2, "forward": 1, "batch": 1}
+    seen, errors, counts = train_grouped([make_batch(i) for i in range(5)], until=lambda c: c == expected)
+    assert errors == [] and seen == [0, 1, 2, 3, 4]
+    assert counts == expected
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 5 and result["batches_trained"] == 5 and result["batches_failed"] == {}
+
+
+def test_a_group_of_one_sends_every_batch_alone(persia_env, monkeypatch):
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "1")
+    expected = {"forward": 3, "batch": 3}
+    seen, errors, counts = train_grouped([make_batch(i) for i in range(3)], until=lambda c: c == expected)
+    assert errors == [] and seen == [0, 1, 2]
+    assert counts == expected
+
+
+def test_a_batch_the_worker_refuses_fails_alone_and_its_group_partner_trains(persia_env, monkeypatch):
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    batches = [make_batch(0), make_batch(1, unknown_slot=True), make_batch(2), make_batch(3)]
+    expected = {"forward_group": 2, "batch_group": 2}
+    seen, errors, counts = train_grouped(batches, until=lambda c: c == expected)
+    assert counts == expected
+    assert seen == [0, 2, 3]
+    # raised by the send_data that sent the group, naming the batch and why
+    assert len(errors) == 1 and isinstance(errors[0], PersiaError)
+    assert "refused the ID features of batch 1: UnknownSlotError: unknown slot 'not_a_slot'" in str(errors[0])
+    assert batches[1].batch_id is None and batches[0].batch_id == 0  # only the refused one may go again
+    result = ACCOUNT.as_result()
+    # the NN rank got batch 1's dense part: it is in its count, failed with the reason
+    assert result["batches_sent"] == 4 and result["batches_trained"] == 3
+    assert result["batches_failed"] == {"lost_id_features": 1}
+
+
+def test_a_batch_too_large_to_share_a_message_goes_alone_after_the_one_held(persia_env, monkeypatch):
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    batches = [make_batch(i) for i in range(4)]
+    batches[1].meta = b"m" * (20 << 20)  # two of it would take more than half of NATS' 64 MiB max_payload
+    expected = {"forward": 2, "batch": 2, "forward_group": 1, "batch_group": 1}
+    seen, errors, counts = train_grouped(batches, until=lambda c: c == expected)
+    assert errors == [] and seen == [0, 1, 2, 3]  # in order: the held batch 0 went first
+    assert counts == expected
+
+
+def test_a_group_that_finds_the_worker_buffer_full_is_retried_without_doubles(persia_env, monkeypatch):
+    """A forward buffer of one batch: each group's second batch is refused busy until the first is
+    looked up; the retry of the group buffers only the second (the first is known by its key)."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    seen, errors, counts = train_grouped([make_batch(i) for i in range(6)], forward_buffer_size=1,
+                                         until=lambda c: c["forward_group"] > 3)
+    assert errors == [] and seen == [0, 1, 2, 3, 4, 5]
+    assert counts["forward_group"] > 3  # busy answers were retried
+    assert counts["batch_group"] == 3
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 6 and result["batches_trained"] == 6 and result["batches_failed"] == {}
+
+
+def test_a_held_batch_goes_alone_when_its_partner_is_late(persia_env, monkeypatch):
+    """A loader that waits for the trainer before it sends its next batch (an online loader, data
+    that arrives slowly): the held batch goes alone after its hold, instead of waiting for ever."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    monkeypatch.setenv("PERSIA_DATA_GROUP_HOLD_MS", "20")
+
+    def send_after_training(ctx, batches, errors, trained):
+        for i, b in enumerate(batches):
+            ctx.send_data(b)
+            end = time.monotonic() + 20
+            while i not in trained and time.monotonic() < end:  # polled with a deadline
+                time.sleep(0.005)
+            if i not in trained:
+                errors.append(AssertionError(f"batch {i} was not trained while the loader waited"))
+
+    expected = {"forward": 3, "batch": 3}
+    seen, errors, counts = train_grouped([make_batch(i) for i in range(3)], until=lambda c: c == expected,
+                                         send=send_after_training)
+    assert errors == [] and seen == [0, 1, 2]
+    assert counts == expected  # each went alone, after its hold
+
+
+def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia_env, monkeypatch):
+    """The hold thread sends a lone held batch the worker refuses: the loader's next ``send_data``
+    raises that error before its own batch takes an id, so the caller may send it again."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    monkeypatch.setenv("PERSIA_DATA_GROUP_HOLD_MS", "20")
+    outcome: dict = {}
+
+    def refused_then_next(ctx, batches, errors, _trained):
+        bad, good = batches
+        ctx.send_data(bad)  # held, then sent alone by the hold thread, and refused
+        end = time.monotonic() + 20
+        while not ACCOUNT.as_result()["batches_failed"] and time.monotonic() < end:  # the NN rank counted it
+            time.sleep(0.005)
+        try:
+            ctx.send_data(good)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        outcome["after_error"] = good.batch_id
+        ctx.send_data(good)  # the same object, now sent (it never took an id)
+
+    seen, errors, _ = train_grouped([make_batch(0, unknown_slot=True), make_batch(1)], until=lambda c: True,
+                                    send=refused_then_next)
+    assert len(errors) == 1 and "unknown slot 'not_a_slot'" in str(errors[0])
+    assert outcome["after_error"] is None
+    assert seen == [1]
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 2 and result["batches_trained"] == 1
+    assert result["batches_failed"] == {"lost_id_features": 1}
