@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 
 import pytest
 import torch
@@ -25,15 +24,31 @@ from .test_training_path import Model, make_batch
 
 pytestmark = pytest.mark.integration
 
-LEGS = (("ew", "forward"), ("ew", "forward_group"), ("nn", "batch"), ("nn", "batch_group"))
+LEGS = ("forward", "forward_group", "batch", "batch_group")
 
 
-def counted(counts: Counter, until) -> None:
-    """Until ``until(counts)`` holds (the spy's callbacks may trail the trainer by a moment),
-    polled with a 10 s deadline."""
-    end = time.monotonic() + 10
-    while not until(counts) and time.monotonic() < end:
-        time.sleep(0.01)
+def noting_arrivals(monkeypatch) -> set:
+    """Every (subject method, batch ids) that reaches a role's handler on the four data subjects,
+    noted as the bus hands it over (a retried message is the same entry)."""
+    arrived: set = set()
+    serve = NatsBus.serve
+
+    def noting(self, subj, handler, **kwargs):
+        method = subj.split(".")[3]
+        if method in LEGS:
+            def note(fn):
+                def run(obj):
+                    arrived.add((method, tuple(int(b["batch_id"]) for b in obj.get("batches", [obj]))))
+                    return fn(obj)
+                return run
+
+            handler = note(handler)
+            if kwargs.get("try_first") is not None:
+                kwargs["try_first"] = note(kwargs["try_first"])
+        return serve(self, subj, handler, **kwargs)
+
+    monkeypatch.setattr(NatsBus, "serve", noting)
+    return arrived
 
 
 def send_all(ctx, batches, errors, _trained) -> None:
@@ -44,68 +59,62 @@ def send_all(ctx, batches, errors, _trained) -> None:
             errors.append(exc)
 
 
-def train_grouped(batches, until, forward_buffer_size: int = 8, send=send_all):
+def train_grouped(monkeypatch, batches, forward_buffer_size: int = 8, send=send_all):
     """Train ``batches`` sent by one data loader thread (``send(ctx, batches, errors, trained)``,
     by default each in turn, going on after a failed send; ``trained`` is the list of batch ids
-    trained so far); ``(batch ids trained, send errors, messages per leg subject)``, the counts
-    once ``until`` holds for them (or 10 s passed)."""
+    trained so far); ``(batch ids trained, send errors, {subject method: the batch-id tuples that
+    reached it})``."""
     config = {**GLOBAL_CONFIG, "embedding_worker_config": {"forward_buffer_size": forward_buffer_size}}
-    errors, seen, counts = [], [], Counter()
+    arrived = noting_arrivals(monkeypatch)
+    errors, seen = [], []
     with cluster(global_config=config):
-        spy = NatsBus(name="spy")
-        try:
-            for service, method in LEGS:  # no reply from here: the role's own subscription answers
-                spy.subscribe_events(subject(service, method, 0), lambda _m, k=method: counts.update([k]))
-            spy.flush()
-            loader_stream.reset()
+        loader_stream.reset()
 
-            def loader():
-                with DataCtx() as ctx:
-                    send(ctx, batches, errors, seen)
-                end_of_stream()
+        def loader():
+            with DataCtx() as ctx:
+                send(ctx, batches, errors, seen)
+            end_of_stream()
 
-            t = threading.Thread(target=loader, daemon=True)
-            t.start()
-            model = Model()
-            with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
-                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
-                for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
-                    seen.append(batch.batch_id)
-                    out, labels = ctx.forward(batch)
-                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
-            t.join(60)
-            counted(counts, until)
-        finally:
-            spy.close()
-    return seen, errors, counts
+        t = threading.Thread(target=loader, daemon=True)
+        t.start()
+        model = Model()
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+                seen.append(batch.batch_id)
+                out, labels = ctx.forward(batch)
+                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        t.join(60)
+    messages: dict = {}
+    for method, ids in sorted(arrived):
+        messages.setdefault(method, []).append(ids)
+    return seen, errors, messages
 
 
 def test_batches_go_two_to_a_message_and_the_last_one_at_close(persia_env, monkeypatch):
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(5)])
+    assert errors == [] and seen == [0, 1, 2, 3, 4]
     # 0+1 and 2+3 in one message on each leg; batch 4, held for a partner, went when the
     # DataCtx closed, alone
-    expected = {"forward_group": 2, "batch_group": 2, "forward": 1, "batch": 1}
-    seen, errors, counts = train_grouped([make_batch(i) for i in range(5)], until=lambda c: c == expected)
-    assert errors == [] and seen == [0, 1, 2, 3, 4]
-    assert counts == expected
+    assert messages == {"forward_group": [(0, 1), (2, 3)], "batch_group": [(0, 1), (2, 3)],
+                        "forward": [(4,)], "batch": [(4,)]}
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 5 and result["batches_trained"] == 5 and result["batches_failed"] == {}
 
 
 def test_a_group_of_one_sends_every_batch_alone(persia_env, monkeypatch):
     monkeypatch.setenv("PERSIA_DATA_GROUP", "1")
-    expected = {"forward": 3, "batch": 3}
-    seen, errors, counts = train_grouped([make_batch(i) for i in range(3)], until=lambda c: c == expected)
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(3)])
     assert errors == [] and seen == [0, 1, 2]
-    assert counts == expected
+    assert messages == {"forward": [(0,), (1,), (2,)], "batch": [(0,), (1,), (2,)]}
 
 
 def test_a_batch_the_worker_refuses_fails_alone_and_its_group_partner_trains(persia_env, monkeypatch):
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
     batches = [make_batch(0), make_batch(1, unknown_slot=True), make_batch(2), make_batch(3)]
-    expected = {"forward_group": 2, "batch_group": 2}
-    seen, errors, counts = train_grouped(batches, until=lambda c: c == expected)
-    assert counts == expected
+    seen, errors, messages = train_grouped(monkeypatch, batches)
+    assert messages == {"forward_group": [(0, 1), (2, 3)], "batch_group": [(0, 1), (2, 3)]}
     assert seen == [0, 2, 3]
     # raised by the send_data that sent the group, naming the batch and why
     assert len(errors) == 1 and isinstance(errors[0], PersiaError)
@@ -121,21 +130,19 @@ def test_a_batch_too_large_to_share_a_message_goes_alone_after_the_one_held(pers
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
     batches = [make_batch(i) for i in range(4)]
     batches[1].meta = b"m" * (20 << 20)  # two of it would take more than half of NATS' 64 MiB max_payload
-    expected = {"forward": 2, "batch": 2, "forward_group": 1, "batch_group": 1}
-    seen, errors, counts = train_grouped(batches, until=lambda c: c == expected)
+    seen, errors, messages = train_grouped(monkeypatch, batches)
     assert errors == [] and seen == [0, 1, 2, 3]  # in order: the held batch 0 went first
-    assert counts == expected
+    assert messages == {"forward": [(0,), (1,)], "batch": [(0,), (1,)],
+                        "forward_group": [(2, 3)], "batch_group": [(2, 3)]}
 
 
 def test_a_group_that_finds_the_worker_buffer_full_is_retried_without_doubles(persia_env, monkeypatch):
-    """A forward buffer of one batch: each group's second batch is refused busy until the first is
-    looked up; the retry of the group buffers only the second (the first is known by its key)."""
+    """A forward buffer of one batch: a group's second batch is refused busy while the first waits
+    for its lookup; the retry of the group buffers only the second (the first is known by its key)."""
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
-    seen, errors, counts = train_grouped([make_batch(i) for i in range(6)], forward_buffer_size=1,
-                                         until=lambda c: c["forward_group"] > 3)
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(6)], forward_buffer_size=1)
     assert errors == [] and seen == [0, 1, 2, 3, 4, 5]
-    assert counts["forward_group"] > 3  # busy answers were retried
-    assert counts["batch_group"] == 3
+    assert messages == {"forward_group": [(0, 1), (2, 3), (4, 5)], "batch_group": [(0, 1), (2, 3), (4, 5)]}
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 6 and result["batches_trained"] == 6 and result["batches_failed"] == {}
 
@@ -155,11 +162,9 @@ def test_a_held_batch_goes_alone_when_its_partner_is_late(persia_env, monkeypatc
             if i not in trained:
                 errors.append(AssertionError(f"batch {i} was not trained while the loader waited"))
 
-    expected = {"forward": 3, "batch": 3}
-    seen, errors, counts = train_grouped([make_batch(i) for i in range(3)], until=lambda c: c == expected,
-                                         send=send_after_training)
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(3)], send=send_after_training)
     assert errors == [] and seen == [0, 1, 2]
-    assert counts == expected  # each went alone, after its hold
+    assert messages == {"forward": [(0,), (1,), (2,)], "batch": [(0,), (1,), (2,)]}  # each alone, after its hold
 
 
 def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia_env, monkeypatch):
@@ -182,11 +187,13 @@ def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia
         outcome["after_error"] = good.batch_id
         ctx.send_data(good)  # the same object, now sent (it never took an id)
 
-    seen, errors, _ = train_grouped([make_batch(0, unknown_slot=True), make_batch(1)], until=lambda c: True,
-                                    send=refused_then_next)
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(0, unknown_slot=True), make_batch(1)],
+                                           send=refused_then_next)
     assert len(errors) == 1 and "unknown slot 'not_a_slot'" in str(errors[0])
     assert outcome["after_error"] is None
     assert seen == [1]
+    # batch 0 alone after its hold; batch 1, held for a partner that never came, alone at the close
+    assert messages == {"forward": [(0,), (1,)], "batch": [(0,), (1,)]}
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 2 and result["batches_trained"] == 1
     assert result["batches_failed"] == {"lost_id_features": 1}

@@ -86,9 +86,9 @@ class DataCtx(BaseCtx):
         self.send_deadline_s = send_deadline_s
         self._groups = SendGroups(data_group_setting(os.environ))  # checked before anything is sent
         self._hold_s = hold_setting(os.environ)
-        # guards the held batches and the sends (one at a time, so each rank gets its batches in
-        # order); the hold thread waits on it
-        self._sending = threading.Condition()
+        # guards the held batches and the sends (one at a time, so each rank gets its batches in order)
+        self._sending = threading.Lock()
+        self._closing = threading.Event()  # ends the hold thread
         self._late: BaseException | None = None  # a send of the hold thread that failed, raised next
         self._holder: threading.Thread | None = None
         self.bus: NatsBus = shared_bus()
@@ -199,10 +199,13 @@ class DataCtx(BaseCtx):
 
     def _send_overdue(self) -> None:
         """The hold thread: every half hold, send the groups whose first batch has waited a hold
-        (a loader that produces slowly is not held back by its group); stops at close."""
-        with self._sending:
-            while not self._closed:
-                self._sending.wait(self._hold_s / 2)
+        (a loader that produces slowly is not held back by its group); stops at close. It reads
+        the oldest hold without the lock, so a tick with nothing due costs the sender nothing."""
+        while not self._closing.wait(self._hold_s / 2):
+            oldest = self._groups.oldest  # one attribute read: a stale value only delays a check by a tick
+            if oldest is None or time.monotonic() - oldest < self._hold_s:
+                continue
+            with self._sending:
                 if self._closed:
                     return
                 for group in self._groups.take_held_since(time.monotonic() - self._hold_s):
@@ -338,7 +341,7 @@ class DataCtx(BaseCtx):
             held_failed = self._send_held() or self._late  # before the end of the epoch, which counts them
             self._late = None
             self._closed = True
-            self._sending.notify_all()  # the hold thread ends
+        self._closing.set()  # the hold thread ends
         if self._holder is not None:
             self._holder.join()
         if held_failed is not None and failure is None:

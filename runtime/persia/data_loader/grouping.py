@@ -9,7 +9,7 @@ group as they would a lone one, so retries, acknowledgements and accounting stay
 
 The price, with a group of 2: ``send_data`` returns before its batch is acknowledged when it holds
 it for the next one. A held batch goes with that one, or alone once it has waited
-about ``PERSIA_DATA_GROUP_HOLD_MS`` (default 20, at most 1.5 times that: a loader that produces
+about ``PERSIA_DATA_GROUP_HOLD_MS`` (default 50, at most 1.5 times that: a loader that produces
 slowly, an online one, is not held back), or when the ``DataCtx`` closes. A failed group raises from the ``send_data`` (or the
 close) that sent it, naming its batches, and each is counted as failed; one sent after its hold
 ran out raises from the next ``send_data`` or the close. ``PERSIA_DATA_GROUP=1`` sends each batch
@@ -28,7 +28,7 @@ from persia.messages import MAX_SEND_GROUP
 ENV_DATA_GROUP = "PERSIA_DATA_GROUP"
 ENV_HOLD_MS = "PERSIA_DATA_GROUP_HOLD_MS"
 DEFAULT_GROUP = 2
-DEFAULT_HOLD_MS = 20.0
+DEFAULT_HOLD_MS = 50.0
 MAX_GROUP = MAX_SEND_GROUP  # the receivers' schemas refuse larger groups
 
 
@@ -41,7 +41,7 @@ def data_group_setting(environ: Mapping[str, str]) -> int:
 
 def hold_setting(environ: Mapping[str, str]) -> float:
     """``PERSIA_DATA_GROUP_HOLD_MS``: how long a batch may wait for its group, in seconds (default
-    0.02); an error names a bad value."""
+    0.05); an error names a bad value."""
     raw = environ.get(ENV_HOLD_MS, "").strip()
     if raw == "":
         return DEFAULT_HOLD_MS / 1e3
@@ -78,6 +78,9 @@ class SendGroups:
             raise ValueError(f"a send group holds 1 to {MAX_GROUP} batches, got {size}")
         self.size = size
         self._held: dict[tuple[int, int], list[HeldBatch]] = {}
+        # when the longest-held batch was held (None: none is); kept as one attribute so that
+        # another thread may read it without the sender's lock
+        self.oldest: float | None = None
 
     def add(self, batch: HeldBatch) -> list[HeldBatch] | None:
         """Hold ``batch``; the group to send now when it completes one, else None."""
@@ -85,28 +88,34 @@ class SendGroups:
         group = self._held.setdefault(key, [])
         group.append(batch)
         if len(group) < self.size:
+            if self.oldest is None or batch.held_at < self.oldest:
+                self.oldest = batch.held_at
             return None
         del self._held[key]
+        self._update_oldest()
         return group
+
+    def _update_oldest(self) -> None:
+        self.oldest = min((g[0].held_at for g in self._held.values()), default=None)
 
     def take(self, worker: int, rank: int) -> list[list[HeldBatch]]:
         """The batches held for ``(worker, rank)`` (as one group, or none), no longer held."""
         group = self._held.pop((worker, rank), None)
+        self._update_oldest()
         return [group] if group else []
-
-    def oldest(self) -> float | None:
-        """When the longest-held batch was held (None: none is)."""
-        return min((g[0].held_at for g in self._held.values()), default=None)
 
     def take_held_since(self, before: float) -> list[list[HeldBatch]]:
         """The groups whose first batch was held at or before ``before``, oldest first; no longer held."""
         due = sorted((k for k, g in self._held.items() if g[0].held_at <= before), key=lambda k: self._held[k][0].held_at)
-        return [self._held.pop(k) for k in due]
+        taken = [self._held.pop(k) for k in due]
+        self._update_oldest()
+        return taken
 
     def drain(self) -> list[list[HeldBatch]]:
         """Every group still held (incomplete), oldest first; none is held after."""
         groups = list(self._held.values())
         self._held.clear()
+        self.oldest = None
         return groups
 
     def __len__(self) -> int:
