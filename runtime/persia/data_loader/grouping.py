@@ -1,20 +1,20 @@
 """How many batches a data loader sends in one message per leg (``PERSIA_DATA_GROUP``).
 
 Each NATS message costs its sender, nats-server and its receiver a few thread wake-ups, and on a
-VM a wake-up across cores costs about as much CPU as a batch's whole ID work (docs/benchmarks.md,
-issue 15, session 19). So a data loader holds a batch until the next one for the same embedding
-worker and NN rank, and sends both in one message on each leg (``ew.forward_group``,
-``nn.batch_group``): half the messages, half their cost. The receivers buffer each batch of a
-group as they would a lone one, so retries, acknowledgements and accounting stay per batch.
+VM those, not the bytes, are most of what the embedding path spends per batch at batch 256
+(docs/benchmarks.md, issue 15). So a data loader holds a batch until the next one for the same
+embedding worker and NN rank, and sends both in one message on each leg (``ew.forward_group``,
+``nn.batch_group``): half the messages. The receivers take each batch of a group as they would a
+lone one, so retries, acknowledgements and accounting stay per batch.
 
 The price, with a group of 2: ``send_data`` returns before its batch is acknowledged when it holds
-it for the next one. A held batch goes with that one, or alone once it has waited
-about ``PERSIA_DATA_GROUP_HOLD_MS`` (default 50, at most 1.5 times that: a loader that produces
-slowly, an online one, is not held back), or when the ``DataCtx`` closes. A failed group raises from the ``send_data`` (or the
-close) that sent it, naming its batches, and each is counted as failed; one sent after its hold
-ran out raises from the next ``send_data`` or the close. ``PERSIA_DATA_GROUP=1`` sends each batch
-alone and acknowledged before ``send_data`` returns. Pure parts here; ``persia.data_loader.ctx``
-does the sending.
+it for the next one. A held batch goes with that one; alone once it has waited about
+``PERSIA_DATA_GROUP_HOLD_MS`` (default 50, at most 1.5 times that), so a loader that produces
+slowly, an online one, is not held back; or when the ``DataCtx`` closes. A failed group raises
+from the ``send_data`` (or the close) that sent it, naming its batches, and each is counted as
+failed; one sent after its hold ran out raises from the next ``send_data`` or the close.
+``PERSIA_DATA_GROUP=1`` sends each batch alone and acknowledged before ``send_data`` returns. Pure
+parts here; ``persia.data_loader.ctx`` does the sending.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class SendGroups:
 
     def take_held_since(self, before: float) -> list[list[HeldBatch]]:
         """The groups whose first batch was held at or before ``before``, oldest first; no longer held."""
-        due = sorted((k for k, g in self._held.items() if g[0].held_at <= before), key=lambda k: self._held[k][0].held_at)
+        due = sorted((k for k, g in self._held.items() if g[0].held_at <= before),
+                     key=lambda k: self._held[k][0].held_at)
         taken = [self._held.pop(k) for k in due]
         self._update_oldest()
         return taken
