@@ -197,3 +197,45 @@ def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 2 and result["batches_trained"] == 1
     assert result["batches_failed"] == {"lost_id_features": 1}
+
+
+def test_a_large_batch_is_sent_even_when_the_batch_held_before_it_fails(persia_env, monkeypatch):
+    """The held batch goes first, alone, and the worker refuses it; the large batch after it is
+    still sent (before, the first failure skipped it: sent by nobody, counted by nobody)."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    batches = [make_batch(0, unknown_slot=True), make_batch(1)]
+    batches[1].meta = b"m" * (20 << 20)
+    seen, errors, messages = train_grouped(monkeypatch, batches)
+    assert messages == {"forward": [(0,), (1,)], "batch": [(0,), (1,)]}
+    assert len(errors) == 1 and "unknown slot 'not_a_slot'" in str(errors[0])
+    assert seen == [1]
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 2 and result["batches_trained"] == 1
+    assert result["batches_failed"] == {"lost_id_features": 1}
+
+
+def test_threads_sending_on_one_context_each_batch_goes_once(persia_env, monkeypatch):
+    """Two threads call ``send_data`` on one DataCtx at once: they form groups from each other's
+    batches and send in parallel; the close waits for both before the epoch ends."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+
+    def two_threads(ctx, batches, errors, _trained):
+        def send(part):
+            for b in part:
+                try:
+                    ctx.send_data(b)
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=send, args=(batches[i::2],)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(12)], send=two_threads)
+    assert errors == [] and sorted(seen) == list(range(12))
+    sent = sorted(i for ids in messages.get("batch_group", []) + messages.get("batch", []) for i in ids)
+    assert sent == list(range(12))  # each batch in exactly one message
+    result = ACCOUNT.as_result()
+    assert result["batches_sent"] == 12 and result["batches_trained"] == 12 and result["batches_failed"] == {}

@@ -86,8 +86,9 @@ class DataCtx(BaseCtx):
         self.send_deadline_s = send_deadline_s
         self._groups = SendGroups(data_group_setting(os.environ))  # checked before anything is sent
         self._hold_s = hold_setting(os.environ)
-        # guards the held batches and the sends (one at a time, so each rank gets its batches in order)
-        self._sending = threading.Lock()
+        # guards the held batches; the sends themselves run outside it, so threads send in parallel
+        self._sending = threading.Condition()  # notified when the last send in flight ends
+        self._in_flight = 0  # sends under way outside the lock (send_data's, the hold thread's)
         self._closing = threading.Event()  # ends the hold thread
         self._late: BaseException | None = None  # a send of the hold thread that failed, raised next
         self._holder: threading.Thread | None = None
@@ -186,16 +187,36 @@ class DataCtx(BaseCtx):
         with self._sending:
             if self._groups.size > 1 and not fits_group(held, self._groups.size, self.bus.max_payload):
                 # too large to share a message: whatever waits for its worker and rank goes first
-                for group in self._groups.take(worker, rank):
+                groups = self._groups.take(worker, rank) + [[held]]
+            else:
+                group = self._groups.add(held)
+                groups = [] if group is None else [group]
+                if group is None and self._holder is None:
+                    self._holder = threading.Thread(target=self._send_overdue, name="persia-data-group-hold",
+                                                    daemon=True)
+                    self._holder.start()
+            if groups:
+                self._in_flight += 1
+        if groups:
+            self._send_in_flight(groups)
+
+    def _send_in_flight(self, groups: list[list[HeldBatch]]) -> None:
+        """Send ``groups`` (counted in flight by the caller, under the lock); every one is tried,
+        then the first failure raised."""
+        try:
+            first = None
+            for group in groups:
+                try:
                     self._send_group(group)
-                self._send_group([held])
-                return
-            group = self._groups.add(held)
-            if group is not None:
-                self._send_group(group)
-            elif self._holder is None:
-                self._holder = threading.Thread(target=self._send_overdue, name="persia-data-group-hold", daemon=True)
-                self._holder.start()
+                except Exception as exc:  # noqa: BLE001 - counted and logged by _send_group
+                    first = first or exc
+            if first is not None:
+                raise first
+        finally:
+            with self._sending:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self._sending.notify_all()
 
     def _send_overdue(self) -> None:
         """The hold thread: every half hold, send the groups whose first batch has waited a hold
@@ -208,11 +229,15 @@ class DataCtx(BaseCtx):
             with self._sending:
                 if self._closed:
                     return
-                for group in self._groups.take_held_since(time.monotonic() - self._hold_s):
-                    try:
-                        self._send_group(group)
-                    except Exception as exc:  # noqa: BLE001 - counted and logged; raised by the next call
-                        self._late = self._late or exc
+                due = self._groups.take_held_since(time.monotonic() - self._hold_s)
+                if not due:
+                    continue
+                self._in_flight += 1
+            try:
+                self._send_in_flight(due)
+            except Exception as exc:  # noqa: BLE001 - counted and logged; raised by the next call
+                with self._sending:
+                    self._late = self._late or exc
 
     def _raise_late(self) -> None:
         """A send of the hold thread failed: raised from the next ``send_data`` (or the close)."""
@@ -264,16 +289,6 @@ class DataCtx(BaseCtx):
             raise id_leg
         raise PersiaError(f"embedding worker {worker} refused the ID features of "
                           + "; ".join(f"batch {b.batch_id}: {why}" for b, why in lost))
-
-    def _send_held(self) -> BaseException | None:
-        """Send every batch still held (at the end of an epoch); the first failure, after trying all."""
-        first = None
-        for group in self._groups.drain():
-            try:
-                self._send_group(group)
-            except Exception as exc:  # noqa: BLE001 - counted and logged by _send_group; raised by close
-                first = first or exc
-        return first
 
     def _failed(self, leg: str, batch_id: int, exc: BaseException) -> None:
         reason = f"send_{leg}"
@@ -338,12 +353,24 @@ class DataCtx(BaseCtx):
         if self._closed:
             return
         with self._sending:
-            held_failed = self._send_held() or self._late  # before the end of the epoch, which counts them
-            self._late = None
-            self._closed = True
-        self._closing.set()  # the hold thread ends
+            while self._in_flight:  # other threads' sends: acknowledged or failed before the epoch ends
+                self._sending.wait()
+            held = self._groups.drain()
+            self._closed = True  # the hold thread takes nothing more
+            if held:
+                self._in_flight += 1
+        self._closing.set()
         if self._holder is not None:
             self._holder.join()
+        held_failed = None
+        if held:  # before the end of the epoch, which counts them
+            try:
+                self._send_in_flight(held)
+            except Exception as exc:  # noqa: BLE001 - raised below, after the epoch ends
+                held_failed = exc
+        with self._sending:
+            held_failed = held_failed or self._late
+            self._late = None
         if held_failed is not None and failure is None:
             # as if the send_data that held them had raised in the with-block: the stream fails
             failure = f"{type(held_failed).__name__}: {held_failed}"
