@@ -26,6 +26,8 @@ import os
 import platform
 from collections.abc import Mapping
 
+from persia.env import switch_on
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "PERSIA_MALLOC_TUNING"
@@ -45,10 +47,7 @@ def allocator_plan(environ: Mapping[str, str], libc: str) -> tuple[dict[int, int
     """The ``mallopt`` settings to make (parameter -> value) and why, or none and why not.
     Pure, so every case is tested without touching the process's allocator. A value of
     ``PERSIA_MALLOC_TUNING`` other than on/off raises an error naming it."""
-    raw = environ.get(ENV_SWITCH, "").strip().lower()
-    if raw not in ("", "1", "on", "true", "0", "off", "false"):
-        raise ValueError(f"environment variable {ENV_SWITCH} must be 1/on or 0/off, got {environ[ENV_SWITCH]!r}")
-    if raw in ("0", "off", "false"):
+    if not switch_on(ENV_SWITCH, environ):
         return {}, f"{ENV_SWITCH}={environ[ENV_SWITCH]}: glibc's defaults"
     if libc != "glibc":
         return {}, f"not glibc ({libc or 'unknown C library'}): nothing to tune"

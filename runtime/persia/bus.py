@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable
 import nats
 import nats.errors
 
-from persia.errors import BusyError, RemoteError
+from persia.errors import INPUT_ERRORS, BusyError, RemoteError
 from persia.security import (
     SIGNATURE_HEADER, NatsAuth, SignatureChecker, Unauthorized, job_secret, needs_signature, redact_url, sign,
     with_tls_scheme,
@@ -296,7 +296,7 @@ class NatsBus:
                 _rejected(str(exc))
                 reply = {"error": str(exc), "kind": type(exc).__name__}
             except Exception as exc:  # noqa: BLE001 - every failure is answered, not swallowed
-                if not isinstance(exc, (ValueError, KeyError, TypeError, LookupError)):
+                if not isinstance(exc, INPUT_ERRORS):
                     log.exception("handler for %s failed", subj)
                 reply = {"error": str(exc), "kind": type(exc).__name__}
             if msg.reply:

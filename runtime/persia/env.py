@@ -23,6 +23,19 @@ def _int_env(name: str, default: int | None) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def switch_on(name: str, environ, default: bool = True) -> bool:
+    """Environment variable ``name`` as an on/off switch: 1/on/true/yes or 0/off/false/no (any
+    case), ``default`` when unset or empty; a ValueError names the variable and any other value."""
+    raw = environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "on", "true", "yes"):
+        return True
+    if raw in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"environment variable {name} must be 1/on or 0/off, got {environ[name]!r}")
+
+
 def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> int:
     """``raw`` (the value of environment variable ``name``) as an int from ``low`` to ``high``; a
     ValueError names the variable, the range (and ``also``, what else it may be) and the value."""

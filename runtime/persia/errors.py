@@ -1,6 +1,11 @@
 """Exceptions shared by every role; each names what failed and with which value."""
 
 
+INPUT_ERRORS = (ValueError, TypeError, LookupError)
+"""What a handler raises for bad input (KeyError is a LookupError): answered to the caller as its
+fault, not logged as the role's own failure (``persia.bus``, ``persia.rpc``, a batch of a group)."""
+
+
 class PersiaError(RuntimeError):
     """Base class of runtime errors raised by persia."""
 

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import grpc
 
-from persia.errors import BatchLost, RemoteError, TooManyWaiting
+from persia.errors import INPUT_ERRORS, BatchLost, RemoteError, TooManyWaiting
 from persia.messages import MessageError, validate
 from persia.security import GrpcTls
 from persia.wire.codec import decode, encode
@@ -65,7 +65,7 @@ def error_status(exc: Exception) -> tuple[str, str]:
         return "INVALID_ARGUMENT", str(exc)
     if isinstance(exc, (BatchLost, TooManyWaiting)):
         return exc.grpc_status, f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, (ValueError, KeyError, TypeError, LookupError)):
+    if isinstance(exc, INPUT_ERRORS):
         return "INVALID_ARGUMENT", f"{type(exc).__name__}: {exc}"
     return "INTERNAL", f"{type(exc).__name__}: {exc}"
 

@@ -16,7 +16,7 @@ from persia.bus import BUSY, NatsBus, subject
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
 from persia.embedding_worker.colocated import InProcessPs
-from persia.errors import BatchLost, DiscoveryTimeout, TooManyWaiting
+from persia.errors import INPUT_ERRORS, BatchLost, DiscoveryTimeout, TooManyWaiting
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
@@ -168,7 +168,7 @@ class EmbeddingWorker:
         for batch in req["batches"]:
             try:
                 answer = self.on_forward(batch)
-            except (ValueError, KeyError, TypeError, LookupError) as exc:  # this batch's input
+            except INPUT_ERRORS as exc:  # this batch's input
                 refs.append(None)
                 errors.append(f"{type(exc).__name__}: {exc}")
                 continue

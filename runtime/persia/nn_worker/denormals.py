@@ -28,6 +28,8 @@ import os
 import threading
 from collections.abc import Mapping
 
+from persia.env import switch_on
+
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "PERSIA_FLUSH_DENORMAL"
@@ -42,12 +44,9 @@ _team_call = None  # (GOMP_parallel, its callback type), once an OpenMP runtime 
 def denormal_plan(environ: Mapping[str, str]) -> tuple[bool, str]:
     """Whether to flush denormals, and why. Pure: every case is tested without touching a
     thread's register."""
-    raw = environ.get(ENV_SWITCH, "").strip().lower()
-    if raw in ("", "1", "on", "true"):
+    if switch_on(ENV_SWITCH, environ):
         return True, "flush to zero"
-    if raw in ("0", "off", "false"):
-        return False, f"{ENV_SWITCH}={environ[ENV_SWITCH]}: IEEE denormals kept"
-    raise ValueError(f"environment variable {ENV_SWITCH} must be 1/on or 0/off, got {environ[ENV_SWITCH]!r}")
+    return False, f"{ENV_SWITCH}={environ[ENV_SWITCH]}: IEEE denormals kept"
 
 
 def openmp_library(maps: str) -> str | None:

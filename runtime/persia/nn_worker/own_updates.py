@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from persia.embedding_ps.optimizers import OptimizerConfig
+from persia.env import switch_on
 from persia.nn_worker.replay import SentUpdate, UpdateHistory, applied_tables, correct_table
 
 ENV_REPLAY = "PERSIA_REPLAY_OWN_UPDATES"
@@ -35,12 +36,7 @@ def replay_setting(value: bool | None, environ: dict[str, str] | None = None) ->
         if not isinstance(value, bool):
             raise ValueError(f"replay_own_updates must be True or False, got {value!r}")
         return value
-    raw = (os.environ if environ is None else environ).get(ENV_REPLAY, "").strip().lower()
-    if raw in ("", "1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"environment variable {ENV_REPLAY} must be 1 or 0, got {raw!r}")
+    return switch_on(ENV_REPLAY, os.environ if environ is None else environ)
 
 
 class OwnUpdates:
