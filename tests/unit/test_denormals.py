@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from persia.nn_worker.denormals import ENV_SWITCH, denormal_plan, openmp_library
+from persia.nn_worker.denormals import ENV_SWITCH, denormal_plan
+from persia.nn_worker.openmp_team import openmp_library
 
 
 @pytest.mark.parametrize("value", [None, "1", "on", "TRUE", " 1 "])

@@ -22,23 +22,16 @@ it). Only the CPU is affected; CUDA kernels choose their own mode.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import threading
 from collections.abc import Mapping
 
 from persia.env import switch_on
+from persia.nn_worker.openmp_team import on_each_team_thread
 
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "PERSIA_FLUSH_DENORMAL"
-# the OpenMP runtimes whose GOMP entry points torch's CPU builds use (libgomp; Intel's libiomp5
-# exports the same ABI)
-OPENMP_LIBRARIES = ("libgomp", "libiomp5")
-
-_runtime_lock = threading.Lock()
-_team_call = None  # (GOMP_parallel, its callback type), once an OpenMP runtime was found
 
 
 def denormal_plan(environ: Mapping[str, str]) -> tuple[bool, str]:
@@ -49,41 +42,11 @@ def denormal_plan(environ: Mapping[str, str]) -> tuple[bool, str]:
     return False, f"{ENV_SWITCH}={environ[ENV_SWITCH]}: IEEE denormals kept"
 
 
-def openmp_library(maps: str) -> str | None:
-    """Path of the OpenMP runtime mapped into a process, from the text of its /proc/<pid>/maps."""
-    for line in maps.splitlines():
-        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
-        if len(fields) == 6 and os.path.basename(fields[5].strip()).startswith(OPENMP_LIBRARIES):
-            return fields[5].strip()
-    return None
-
-
 def flushing() -> bool:
     """Whether the calling thread flushes denormals now (a one-element product runs on it)."""
     import torch
 
     return bool((torch.tensor(1e-39, dtype=torch.float32) * 1.0).item() == 0.0)
-
-
-def _openmp_team_call():
-    """``GOMP_parallel`` of the OpenMP runtime torch loaded and its callback type, or None."""
-    global _team_call
-    with _runtime_lock:
-        if _team_call is None:
-            try:
-                with open("/proc/self/maps") as f:
-                    path = openmp_library(f.read())
-            except OSError:
-                path = None
-            if path is None:
-                return None
-            runtime = ctypes.CDLL(path)  # the library already mapped: the same thread pools
-            callback_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-            parallel = runtime.GOMP_parallel  # void GOMP_parallel(void (*fn)(void *), void *data, unsigned n, unsigned flags)
-            parallel.argtypes = (callback_type, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint)
-            parallel.restype = None
-            _team_call = (parallel, callback_type)
-        return _team_call
 
 
 def set_flush(on: bool) -> str:
@@ -96,16 +59,9 @@ def set_flush(on: bool) -> str:
     threads = torch.get_num_threads()
     if threads <= 1:
         return "the calling thread"
-    call = _openmp_team_call()
-    if call is None:
+    answers = on_each_team_thread(lambda: bool(torch.set_flush_denormal(on)), threads)
+    if answers is None:
         return "the calling thread (no OpenMP runtime loaded: threads made later inherit it)"
-    parallel, callback_type = call
-    answers: list[bool] = []
-
-    def on_each_thread(_data) -> None:  # runs in every team thread; ctypes takes the GIL for it
-        answers.append(bool(torch.set_flush_denormal(on)))
-
-    parallel(callback_type(on_each_thread), None, threads, 0)  # a CDLL call: the GIL is released
     if len(answers) != threads or not all(answers):
         return f"the calling thread and {sum(answers)} of its OpenMP team's {threads} threads"
     return f"the calling thread and its OpenMP team's {threads} threads"
