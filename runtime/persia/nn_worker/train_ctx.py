@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
+from persia import env
 from persia.bus import subject
 from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError, TooManyWaiting, answered_with
 from persia.metrics import Metrics
@@ -24,6 +25,7 @@ from persia.nn_worker.embedding_ctx import (
 from persia.nn_worker.progress import TrainingProgress
 from persia.nn_worker import checkpoint_plan
 from persia.nn_worker.checkpoint import check_optimizer_state
+from persia.nn_worker.cpu_placement import TrainingPlacement
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
 from persia.nn_worker.lookup_group import lookup_group_setting, lookup_group_size
@@ -109,6 +111,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._current_batch: PersiaTrainingBatch | None = None
         self._control_group = None
         self._thread_tuner: ThreadTuner | None = None
+        self._placement: TrainingPlacement | None = None
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
@@ -127,6 +130,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._install_sigterm()
         self.metrics = Metrics("nn_worker", self.rank)
         attach_metrics(self.metrics)
+        self._placement = self._place_training_thread()
         self._thread_tuner = self._make_thread_tuner()
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
 
@@ -136,7 +140,20 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             return None
         agree = max_over_ranks(self._control_group) if self.world_size > 1 and self._control_group is not None else None
         plan = TuningPlan(candidates_for(torch.get_num_threads()))
-        return ThreadTuner(plan, torch.set_num_threads, time.perf_counter, agree=agree, log=log.info) if plan.tunes else None
+        return ThreadTuner(plan, self._set_torch_threads, time.perf_counter, agree=agree, log=log.info) if plan.tunes else None
+
+    def _place_training_thread(self) -> TrainingPlacement | None:
+        """``PERSIA_TRAINING_CPUS`` on CPU: the training thread on a CPU of its own (after the
+        helper threads started, so that they stay on the shared CPUs)."""
+        if self.device.type != "cpu":
+            return None
+        placement = TrainingPlacement.from_env(local_rank=env.get_local_rank() or 0)
+        return placement.start(torch.get_num_threads()) if placement is not None else None
+
+    def _set_torch_threads(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        if self._placement is not None:
+            self._placement.threads_changed(threads)
 
     def _info(self, _req) -> dict:
         """``nn.info``: what a data loader needs, including where to resume its stream."""
@@ -243,6 +260,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             self._in_backward = False
         if self._thread_tuner is not None:
             self._thread_tuner.step_done()
+        if self._placement is not None:
+            self._placement.step_done()
         self._after_step()
         return scaled
 
@@ -597,6 +616,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 self.bus.unsubscribe(sub)
             self._backward_pool.shutdown(wait=exc is None or graceful)
             self.bus.flush()
+            if self._placement is not None:
+                self._placement.stop()
+                self._placement = None
             super()._exit(exc)
 
 

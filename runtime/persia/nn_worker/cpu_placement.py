@@ -1,0 +1,191 @@
+"""A CPU of its own for the NN worker's training thread (``PERSIA_TRAINING_CPUS``).
+
+Why: on a machine the roles share, the training thread is the job's critical path, and every
+other thread (the NN worker's lookup threads and NATS loop, gRPC's, the other roles') wakes up on
+whichever CPU the kernel picks. A wake-up on the training thread's CPU preempts it, and the
+kernel's wake-affine placement pulls the training thread itself onto its waker's CPU, where it
+queues while another CPU idles. On 2 cores (MLP 400, batch 256) the training thread waited for a
+core 1.8 ms of a 13 ms step; given CPU 0 alone, with every other thread of every role on CPU 1,
+the job trained about 10 % faster and ran far steadier (docs/benchmarks.md, issue 15, session 20).
+This is what the kubelet's static CPU manager does for a Guaranteed pod, one level down.
+
+``PERSIA_TRAINING_CPUS`` lists one CPU per local NN rank (``LOCAL_RANK`` picks its own). While
+the rank trains on one torch thread, its training thread runs on that CPU alone and every other
+thread of the process on the CPUs the process was started with, less every rank's training CPU.
+On several torch threads (a count the thread tuner tries, or a fixed one) the training thread and
+its OpenMP team may use all of those CPUs plus its own: placing a team on one CPU would serialize
+it. ``persia-launcher local`` sets it (``--cpu-placement``) and starts every other role on the
+remaining CPUs; elsewhere a user sets it, and the other processes' CPUs are the pod's business.
+
+Threads started after placement inherit their creator's CPUs, so threads the training thread
+starts later (a data loader's dispatcher, a pool's workers) would land on its CPU: the process's
+threads are swept back onto the shared CPUs when the thread count changes and after steps 1, 2,
+4, 8, ... and every 1,000th, a few system calls each time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from persia.errors import PersiaValidationError
+from persia.nn_worker.openmp_team import on_each_team_thread
+
+log = logging.getLogger(__name__)
+
+ENV = "PERSIA_TRAINING_CPUS"
+SWEEP_EVERY = 1000  # steps, after the first powers of two
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    """Where a rank's threads run. ``own``: the training thread on one torch thread; ``shared``:
+    the training thread and its OpenMP team on several; ``rest``: every other thread."""
+
+    own: int
+    rest: frozenset[int]
+    shared: frozenset[int]
+
+
+def cpu_plan(value: str | None, local_rank: int, allowed: Iterable[int]) -> tuple[CpuPlan | None, str]:
+    """The plan for ``local_rank`` from the setting's text and the CPUs the process runs on now,
+    and why (pure). No plan when unset or when no CPU would be left for the other threads."""
+    if value is None or not value.strip():
+        return None, f"{ENV} unset: the kernel places every thread"
+    cpus: list[int] = []
+    for item in value.split(","):
+        try:
+            cpu = int(item.strip())
+        except ValueError:
+            cpu = -1
+        if cpu < 0:
+            raise PersiaValidationError(
+                f"{ENV} must list CPU numbers (>= 0), one per local NN rank, separated by commas; got {value!r}")
+        cpus.append(cpu)
+    if len(set(cpus)) != len(cpus):
+        raise PersiaValidationError(f"{ENV} names a CPU twice; each local NN rank needs its own: got {value!r}")
+    if not 0 <= local_rank < len(cpus):
+        raise PersiaValidationError(
+            f"{ENV}={value!r} names {len(cpus)} CPU(s), one per local NN rank, but this is local rank {local_rank}")
+    own = cpus[local_rank]
+    allowed = frozenset(allowed)
+    rest = allowed - set(cpus)
+    if not rest:
+        return None, (f"{ENV}={value!r}: not placed, no CPU would be left for the other threads "
+                      f"(this process runs on CPUs {format_cpus(allowed)})")
+    return CpuPlan(own, rest, rest | {own}), f"training thread on CPU {own}, other threads on CPUs {format_cpus(rest)}"
+
+
+def thread_masks(plan: CpuPlan, threads: int, tids: Iterable[int], training: int,
+                 team: frozenset[int]) -> dict[int, frozenset[int]]:
+    """The CPUs of each thread of the process (pure): the training thread alone on its CPU on one
+    torch thread; it and its OpenMP team on the shared CPUs on several; everything else on the rest."""
+    masks = {}
+    for tid in tids:
+        if tid == training:
+            masks[tid] = frozenset({plan.own}) if threads <= 1 else plan.shared
+        elif threads > 1 and tid in team:
+            masks[tid] = plan.shared
+        else:
+            masks[tid] = plan.rest
+    return masks
+
+
+def sweep_due(step: int) -> bool:
+    """After steps 1, 2, 4, 8, ... (threads are started early) and every ``SWEEP_EVERY``th."""
+    return step > 0 and (step & (step - 1) == 0 or step % SWEEP_EVERY == 0)
+
+
+def format_cpus(cpus: Iterable[int]) -> str:
+    """``0-3,6``: the kernel's list format."""
+    out, run = [], []
+    for c in sorted(set(cpus)):
+        if run and c == run[-1] + 1:
+            run.append(c)
+            continue
+        if run:
+            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+        run = [c]
+    if run:
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+def _process_threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [threading.get_native_id()]
+
+
+class TrainingPlacement:
+    """Applies a :class:`CpuPlan` to this process's threads; made on the training thread, which
+    must call every method. :meth:`stop` puts every thread back on the CPUs the process started
+    with."""
+
+    def __init__(self, plan: CpuPlan, why: str = ""):
+        self.plan, self.why = plan, why
+        self.training = threading.get_native_id()
+        self.started_on = frozenset(os.sched_getaffinity(0))
+        self.threads = 1
+        self.team: frozenset[int] = frozenset()
+        self.steps = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, local_rank: int = 0) -> "TrainingPlacement | None":
+        environ = os.environ if environ is None else environ
+        if not hasattr(os, "sched_setaffinity"):
+            return None
+        plan, why = cpu_plan(environ.get(ENV), local_rank, os.sched_getaffinity(0))
+        if plan is None:
+            if environ.get(ENV):
+                log.warning("CPU placement: %s", why)
+            return None
+        return cls(plan, why)
+
+    def start(self, threads: int) -> "TrainingPlacement":
+        self.threads_changed(threads)
+        log.info("CPU placement: %s (the process started on CPUs %s)", self.why, format_cpus(self.started_on))
+        return self
+
+    def threads_changed(self, threads: int) -> None:
+        """The torch thread count is now ``threads`` (called after ``torch.set_num_threads``)."""
+        self.threads = threads
+        if threads > 1:
+            # the training thread first: team threads the runtime makes now inherit its CPUs
+            self._set(self.training, self.plan.shared)
+            tids = on_each_team_thread(self._join_team, threads)
+            self.team = frozenset(tids or ())
+        self.sweep()
+
+    def _join_team(self) -> int:
+        os.sched_setaffinity(0, self.plan.shared)
+        return threading.get_native_id()
+
+    def step_done(self) -> None:
+        self.steps += 1
+        if sweep_due(self.steps):
+            self.sweep()
+
+    def sweep(self) -> None:
+        masks = thread_masks(self.plan, self.threads, _process_threads(), self.training, self.team)
+        for tid, cpus in masks.items():
+            self._set(tid, cpus)
+
+    def stop(self) -> None:
+        for tid in _process_threads():
+            self._set(tid, self.started_on)
+
+    def _set(self, tid: int, cpus: frozenset[int]) -> None:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+        except OSError as exc:
+            if tid == self.training:
+                raise PersiaValidationError(
+                    f"{ENV}: cannot run the training thread on CPUs {format_cpus(cpus)}: {exc}") from None
+            log.debug("CPU placement: thread %d stays where it is: %s", tid, exc)
