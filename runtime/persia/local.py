@@ -22,6 +22,7 @@ from pathlib import Path
 
 from persia.context import torch_threads_setting
 from persia.errors import PersiaValidationError
+from persia.nn_worker.cpu_placement import ENV as TRAINING_CPUS_ENV, format_cpus
 from persia.procs import spawn, stop_in_order
 from persia.supervisor import Action, decide, describe_exit
 from persia.utils import RESULT_PREFIX
@@ -61,6 +62,10 @@ def add_local_parser(sub) -> None:
     p.add_argument("--nn-threads", type=_nn_threads_arg, default=None,
                    help="torch threads per NN worker (default 'auto': start with its share of the cores, measure "
                         "the counts in training and keep the fastest)")
+    p.add_argument("--cpu-placement", choices=("auto", "off"), default="auto",
+                   help="auto (default): with more CPUs than NN ranks, each rank's training thread gets a CPU of "
+                        "its own while it trains on one torch thread, and every other thread of every role runs on "
+                        "the other CPUs (PERSIA_TRAINING_CPUS); off: the kernel places every thread")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--result-file", default=None, help="write the trainer's PERSIA_RESULT JSON here")
     p.add_argument("--max-restarts", type=int, default=int(os.environ.get("PERSIA_MAX_RESTARTS", "3")),
@@ -98,6 +103,32 @@ def nn_thread_env(nn_threads: int | str | None, cores: int, nn_procs: int) -> di
     return {"PERSIA_TORCH_THREADS": str(nn_threads), "OMP_NUM_THREADS": str(nn_threads)}
 
 
+@dataclass(frozen=True)
+class CpuSplit:
+    """The launcher's CPU placement: one CPU per NN rank's training thread, the rest for every
+    other thread (``persia.nn_worker.cpu_placement``)."""
+
+    training: tuple[int, ...]
+    rest: frozenset[int]
+
+
+def cpu_split(allowed: list[int] | set[int], nn_ranks: int, setting: str = "auto") -> tuple[CpuSplit | None, str]:
+    """Which CPUs the NN ranks' training threads get, and why (pure): the lowest ``nn_ranks`` of
+    the CPUs this launcher may use, when at least one is left for everything else."""
+    cpus = sorted(set(allowed))
+    if setting == "off":
+        return None, "off (--cpu-placement off): the kernel places every thread"
+    if setting != "auto":
+        raise ValueError(f"--cpu-placement must be auto or off, got {setting!r}")
+    if len(cpus) <= nn_ranks:
+        return None, (f"not placed: {len(cpus)} CPU(s) for {nn_ranks} NN rank(s) leave none for the other "
+                      f"roles; the kernel places every thread")
+    split = CpuSplit(tuple(cpus[:nn_ranks]), frozenset(cpus[nn_ranks:]))
+    owners = ", ".join(f"rank {r} on CPU {c}" for r, c in enumerate(split.training))
+    return split, (f"training threads ({owners}) on CPUs of their own while they train on one torch thread; "
+                   f"every other thread on CPUs {format_cpus(split.rest)}")
+
+
 def _loopback_gloo() -> dict[str, str]:
     """DDP's gloo pairs listen on the interface named here (else the hostname's address)."""
     import socket
@@ -106,7 +137,8 @@ def _loopback_gloo() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in names else {}
 
 
-def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = None) -> list[RoleProcess]:
+def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = None,
+         split: CpuSplit | None = None) -> list[RoleProcess]:
     for flag in ("num_ps", "num_embedding_workers", "nproc_per_node", "num_data_loaders"):
         value = getattr(args, flag)
         if value < 1:
@@ -117,6 +149,8 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
             raise FileNotFoundError(f"--{flag.replace('_', '-')} {path!r} does not exist")
     cores = args.cores or os.cpu_count() or 1
     nn_env = nn_thread_env(args.nn_threads, cores, args.nproc_per_node)
+    if split is not None:
+        nn_env[TRAINING_CPUS_ENV] = ",".join(str(c) for c in split.training)
     common = dict(base_env or {})
     common.update(
         PERSIA_JOB_NAME=args.job_name,
@@ -331,14 +365,29 @@ class LocalJob:
 
 
 def run_local(args) -> int:
-    from persia.nats_server import NatsServer
-
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     try:
-        roles = plan(args, base_env=dict(os.environ))
+        split, placement = cpu_split(allowed, args.nproc_per_node, getattr(args, "cpu_placement", "auto"))
+        roles = plan(args, base_env=dict(os.environ), split=split)
     except (ValueError, FileNotFoundError) as exc:
         print(f"persia-launcher local: {exc}", file=sys.stderr)
         return 2
     out = _Output()
+    out.line("local", f"CPU placement: {placement}")
+    if split is None:
+        return _run_job(args, roles, out)
+    # this thread starts nats-server and every role (restarts too): they inherit these CPUs, and
+    # each NN rank's training thread moves to its own (PERSIA_TRAINING_CPUS)
+    os.sched_setaffinity(0, split.rest)
+    try:
+        return _run_job(args, roles, out)
+    finally:
+        os.sched_setaffinity(0, allowed)  # a caller that goes on (a test, a notebook) gets its CPUs back
+
+
+def _run_job(args, roles: list[RoleProcess], out: "_Output") -> int:
+    from persia.nats_server import NatsServer
+
     if args.nats_url:
         nats, url = None, args.nats_url
         credentials = {k: os.environ[k] for k in _FOREIGN_NATS_ENV if k in os.environ and k != "PERSIA_NATS_URL"}

@@ -4,11 +4,14 @@ real process (nats-server, PS, embedding workers, NN workers with DDP/gloo, data
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from persia.nn_worker.cpu_placement import format_cpus
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -41,13 +44,21 @@ def test_adult_income_reaches_persia_auc(tmp_path):
     assert "[ps-0]" in out and "[ew-0]" in out and "[nn]" in out
     assert (tmp_path / "ckpt" / "embedding_dump_done").exists()
     assert (tmp_path / "ckpt" / "jit_dense.pt").exists()
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # --cpu-placement auto: the NN worker started on the other CPUs and moved out
+        rest = format_cpus(cpus[1:])
+        assert f"rank 0 on CPU {cpus[0]}" in out
+        assert (f"training thread on CPU {cpus[0]}, other threads on CPUs {rest} "
+                f"(the process started on CPUs {rest})") in out, out[-3000:]
 
 
 def test_adult_income_with_two_of_every_role(tmp_path):
-    result, _ = run_local(tmp_path, "--num-ps", "2", "--num-embedding-workers", "2",
-                          "--nproc-per-node", "2", "--num-data-loaders", "2")
+    result, out = run_local(tmp_path, "--num-ps", "2", "--num-embedding-workers", "2",
+                            "--nproc-per-node", "2", "--num-data-loaders", "2")
     assert result["world_size"] == 2
     assert result["auc"] >= 0.90, result
+    if len(os.sched_getaffinity(0)) == 2:  # no CPU left for the other roles: nothing placed
+        assert "CPU placement: not placed: 2 CPU(s) for 2 NN rank(s)" in out
     # 255 batches over 2 ranks: rank 0 trains 127 or 128 of them (uneven tails are cut so DDP stays in step)
     assert result["train_steps"] in (127, 128)
 
