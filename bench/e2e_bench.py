@@ -49,6 +49,7 @@ class SystemPlan:
     fused: bool = False  # torch only: torch's own optimizers instead of the PS's formula
     colocate_ps: bool = False  # our system only: the PS inside the embedding worker's process
     replay: bool = True  # our system only: False reads stale embeddings, as PERSIA does
+    cpu_placement: str = "auto"  # our system only: "off" leaves every thread's CPU to the kernel
 
 
 LAUNCHER_DEFAULT = 0  # SystemPlan.nn_threads: leave the NN worker's threads to the launcher's default
@@ -159,6 +160,7 @@ _SYSTEMS_MLP400 = (
     SystemPlan("persia-hybrid", staleness=10, replay=False, repeats=1),  # stale reads, as PERSIA trains
     SystemPlan("persia-sync"),
     SystemPlan("persia-hybrid", colocate_ps=True, repeats=1),  # the headline with --colocate-ps
+    SystemPlan("persia-hybrid", cpu_placement="off", repeats=1),  # the headline, the kernel placing every thread
 )
 _SYSTEMS_B1024 = (
     SystemPlan("torch", threads=2, repeats=1),  # the AUC reference
@@ -267,6 +269,7 @@ def _spec(s: SystemPlan, profile: Profile, data_dir: str, mlp: str, seed: int, t
         fused=s.fused,
         colocate_ps=s.colocate_ps,
         replay=s.replay,
+        cpu_placement=s.cpu_placement,
         timeout_s=profile.run_timeout_s,
     )
 

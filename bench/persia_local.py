@@ -90,9 +90,11 @@ def launcher_argv(
     num_data_loaders: int = 1,
     nn_threads: int | str | None = None,
     colocate_ps: bool = False,
+    cpu_placement: str = "auto",
 ) -> list[str]:
     threads = ["--nn-threads", str(nn_threads)] if nn_threads else []
     threads += ["--colocate-ps"] if colocate_ps else []
+    threads += [] if cpu_placement == "auto" else ["--cpu-placement", cpu_placement]
     return [
         launcher,
         "local",
@@ -111,7 +113,7 @@ def launcher_argv(
 def synthetic_command(spec: RunSpec, launcher: str) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one run of our system on the synthetic CTR data."""
     argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads,
-                         colocate_ps=spec.colocate_ps)
+                         colocate_ps=spec.colocate_ps, cpu_placement=spec.cpu_placement)
     env = example_settings(spec).to_env()
     env["PERSIA_REPLAY_OWN_UPDATES"] = "1" if spec.replay else "0"
     if spec.staleness_warmup_steps is not None:

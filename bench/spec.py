@@ -14,13 +14,15 @@ DEFAULT_HYBRID_STALENESS = 10
 
 
 def persia_label(system: str, staleness: int, num_ps: int = 1, num_embedding_workers: int = 1,
-                 nn_threads: int | str | None = None, colocate_ps: bool = False, replay: bool = True) -> str:
+                 nn_threads: int | str | None = None, colocate_ps: bool = False, replay: bool = True,
+                 cpu_placement: str = "auto") -> str:
     """Name of one configuration of our system; the synchronous reference (staleness 1) has none."""
     bound = "" if system == "persia-sync" else f" st={staleness}"
     threads = f" nn-threads={nn_threads}" if nn_threads else ""
     colocated = " colocated" if colocate_ps else ""
     stale = "" if replay or system == "persia-sync" else " no-replay"
-    return f"{system}{bound}{stale} ps={num_ps} ew={num_embedding_workers}{colocated}{threads}"
+    placement = "" if cpu_placement == "auto" else f" placement={cpu_placement}"
+    return f"{system}{bound}{stale} ps={num_ps} ew={num_embedding_workers}{colocated}{threads}{placement}"
 
 
 class RunSpec(BaseModel):
@@ -55,6 +57,9 @@ class RunSpec(BaseModel):
     # the NN worker re-applies its own updates a lookup missed (PERSIA_REPLAY_OWN_UPDATES, the
     # runtime's default); False: stale reads, as PERSIA trains (and the staleness ramp they need)
     replay: bool = True
+    # persia-launcher local --cpu-placement: auto (its default) gives the NN worker's training
+    # thread a CPU of its own while it trains on one torch thread; off leaves it to the kernel
+    cpu_placement: Literal["auto", "off"] = "auto"
     timeout_s: float = Field(default=600.0, gt=0)
     # where the dense model trains (our NN worker, or the whole torch baseline: its embedding table
     # too, as a torch user with a GPU would); bench/gpu_bench.py runs "cuda"
@@ -83,6 +88,6 @@ class RunSpec(BaseModel):
         where = (" cuda" if self.device == "cuda" else "") + (" amp" if self.mixed_precision else "")
         if self.system.startswith("persia"):
             return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers,
-                                self.nn_threads, self.colocate_ps, self.replay) + where
+                                self.nn_threads, self.colocate_ps, self.replay, self.cpu_placement) + where
         fused = " fused" if self.fused else ""
         return f"{self.system}{fused} threads={self.threads}{where}"

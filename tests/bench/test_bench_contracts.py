@@ -149,6 +149,18 @@ def test_nn_threads_reach_the_launcher_only_when_set():
         RunSpec(system="persia-hybrid", data_dir="d", nn_threads=0)
 
 
+def test_cpu_placement_is_the_launchers_default_and_off_is_passed_and_labelled():
+    spec = RunSpec(system="persia-hybrid", data_dir="d")
+    argv, _ = synthetic_command(spec, "persia-launcher")
+    assert "--cpu-placement" not in argv and "placement" not in spec.label
+    off = RunSpec(system="persia-hybrid", data_dir="d", cpu_placement="off")
+    argv, _ = synthetic_command(off, "persia-launcher")
+    assert argv[argv.index("--cpu-placement") + 1] == "off"
+    assert off.label == spec.label + " placement=off"
+    with pytest.raises(ValueError, match="cpu_placement"):
+        RunSpec(system="persia-hybrid", data_dir="d", cpu_placement="on")
+
+
 def test_the_example_data_loader_imports_no_torch():
     """Its settings and batches are torch-free, so each data loader process skips torch's import
     (about 1.8 s of start-up on 2 cores) and its memory."""
