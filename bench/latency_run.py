@@ -37,6 +37,16 @@ def launcher_env(base: dict[str, str], connect_port: int, nats_credentials: dict
     return {**env, **nats_credentials}
 
 
+def placement_setting(command: list[str]) -> str:
+    """The launcher command's ``--cpu-placement`` (its default ``auto`` when absent)."""
+    for i, arg in enumerate(command):
+        if arg == "--cpu-placement" and i + 1 < len(command):
+            return command[i + 1]
+        if arg.startswith("--cpu-placement="):
+            return arg.split("=", 1)[1]
+    return "auto"
+
+
 def unproxied(stats: dict, nats_upstream: str, min_grpc: int = MIN_GRPC_CONNECTIONS, min_nats: int = MIN_NATS_CONNECTIONS) -> list[str]:
     """What did not go through the proxies, from their statistics (empty: everything did)."""
     problems = []
@@ -62,14 +72,24 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("no launcher command after --")
 
+    from persia.local import cpu_split
     from persia.nats_server import NatsServer
 
+    # nats-server and the proxies' threads (the network's stand-ins) run where the launcher puts
+    # its roles, off the NN worker's training CPU (one NN rank here); the launcher, started once
+    # they run, splits the CPUs itself
+    allowed = os.sched_getaffinity(0)
+    split_cpus, _ = cpu_split(allowed, 1, placement_setting(command))
+    if split_cpus is not None:
+        os.sched_setaffinity(0, split_cpus.rest)
     nats = NatsServer()
     upstream = nats.start().split("://", 1)[-1].rsplit("@", 1)[-1]
     proxies = None
     try:
         proxies = ProxySet.start(a.delay_ms / 1e3, forward=[upstream], connect=True)
         nats_url = f"nats://127.0.0.1:{proxies.forward[upstream].port}"
+        if split_cpus is not None:
+            os.sched_setaffinity(0, allowed)
         proc = subprocess.Popen(command + ["--nats-url", nats_url], env=launcher_env(dict(os.environ), proxies.connect.port, nats.client_env()),
                                 stdout=subprocess.PIPE, text=True)
         lines = []

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from bench.delay_proxy import DelayProxy, ProxySet, parse_connect_request, parse_hostport
-from bench.latency_run import launcher_env, unproxied
+from bench.latency_run import launcher_env, placement_setting, unproxied
 
 
 class EchoServer:
@@ -210,3 +210,9 @@ def test_latency_run_routes_grpc_through_the_proxy_and_fails_runs_that_bypass_it
     bad = {"connect": {"connections": 1}, "forward": {"127.0.0.1:4222": {"connections": 0}}}
     problems = unproxied(bad, "127.0.0.1:4222")
     assert "1 gRPC connection(s)" in problems[0] and "0 NATS connection(s)" in problems[1]
+
+
+def test_the_latency_run_reads_the_launchers_cpu_placement():
+    assert placement_setting(["persia-launcher", "local", "--nn-worker", "t.py"]) == "auto"
+    assert placement_setting(["persia-launcher", "local", "--cpu-placement", "off", "--x"]) == "off"
+    assert placement_setting(["persia-launcher", "local", "--cpu-placement=off"]) == "off"
