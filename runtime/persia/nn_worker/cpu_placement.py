@@ -6,7 +6,8 @@ whichever CPU the kernel picks. A wake-up on the training thread's CPU preempts 
 kernel's wake-affine placement pulls the training thread itself onto its waker's CPU, where it
 queues while another CPU idles. On 2 cores (MLP 400, batch 256) the training thread waited for a
 core 1.8 ms of a 13 ms step; given CPU 0 alone, with every other thread of every role on CPU 1,
-the job trained about 10 % faster and ran far steadier (docs/benchmarks.md, issue 15, session 20).
+it waited 0.04 ms, and the job trained 13 % faster at the median of four interleaved pairs
+(docs/benchmarks.md, issue 15, session 20).
 This is what the kubelet's static CPU manager does for a Guaranteed pod, one level down.
 
 ``PERSIA_TRAINING_CPUS`` lists one CPU per local NN rank (``LOCAL_RANK`` picks its own). While
