@@ -48,6 +48,20 @@ def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> in
     return value
 
 
+DEFAULT_GRACE_S = 30.0
+
+
+def grace_period_s(environ=None) -> float:
+    """``PERSIA_GRACE_PERIOD_SECONDS`` (default 30): how long a stopping process may take before it
+    is killed (an NN worker's SIGTERM watchdog, a launcher stopping its children)."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("PERSIA_GRACE_PERIOD_SECONDS", "")
+    try:
+        return float(raw) if raw else DEFAULT_GRACE_S
+    except ValueError:
+        raise ValueError(f"PERSIA_GRACE_PERIOD_SECONDS={raw!r}: expected seconds") from None
+
+
 def get_rank() -> int | None:
     return _int_env("RANK", None)
 

@@ -13,7 +13,8 @@ import threading
 import time
 
 from persia.allocator import tune_allocator
-from persia.procs import spawn
+from persia.env import grace_period_s
+from persia.procs import spawn, stop_in_order
 
 log = logging.getLogger("persia.launcher")
 
@@ -172,11 +173,9 @@ def _supervise(procs: list[subprocess.Popen], names: list[str] | None = None) ->
             i, code = failed[0]
             print(f"persia-launcher: {names[i]} {describe_exit(code)}; stopping the others", file=sys.stderr,
                   flush=True)
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                p.wait()
+            # SIGTERM, then SIGKILL at the grace period: a process stuck on its way out (an NN rank
+            # whose peer died mid-teardown) must not keep the failure from reaching our supervisor
+            stop_in_order([procs], grace_period_s())
             return 128 - code if code < 0 else code
     return 0
 

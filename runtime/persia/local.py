@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from persia.context import torch_threads_setting
+from persia.env import grace_period_s
 from persia.errors import PersiaValidationError
 from persia.nn_worker.cpu_placement import ENV as TRAINING_CPUS_ENV, format_cpus
 from persia.procs import spawn, stop_in_order
@@ -257,7 +258,7 @@ def _pump(proc: subprocess.Popen, prefix: str, out: _Output) -> None:
 
 
 def _grace_default() -> float:
-    return float(os.environ.get("PERSIA_GRACE_PERIOD_SECONDS", "30"))
+    return grace_period_s()
 
 
 class LocalJob:

@@ -1,5 +1,6 @@
 """persia-launcher keeps PERSIA's flags and env-var fallbacks."""
 
+import os
 import subprocess
 import sys
 
@@ -42,3 +43,29 @@ def test_bad_invocations_say_what_is_wrong(argv, message):
                           env=env, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr
+
+
+SUPERVISE = r"""
+import subprocess, sys, time
+from persia.launcher import _supervise
+stubborn = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"],
+    stdout=subprocess.PIPE, text=True)
+stubborn.stdout.readline()  # its SIGTERM is ignored from here on
+failing = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+t0 = time.monotonic()
+code = _supervise([stubborn, failing], ["rank 0", "rank 1"])
+print(code, stubborn.returncode, round(time.monotonic() - t0, 1))
+"""
+
+
+def test_a_child_that_ignores_sigterm_is_killed_at_the_grace_period():
+    """One child fails, another never exits on SIGTERM (an NN rank stuck on its way out after its
+    peer died): the launcher kills it at the grace period and exits as the failed child did."""
+    env = dict(os.environ, PERSIA_GRACE_PERIOD_SECONDS="1")
+    proc = subprocess.run([sys.executable, "-c", SUPERVISE], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, stubborn, seconds = proc.stdout.split()
+    assert (int(code), int(stubborn)) == (3, -9)  # the failure's code; SIGKILL for the stubborn one
+    assert float(seconds) < 30, seconds
+    assert "persia-launcher: rank 1 " in proc.stderr and "stopping the others" in proc.stderr

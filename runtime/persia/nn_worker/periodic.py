@@ -32,12 +32,12 @@ from typing import Callable
 import torch
 
 from persia.bus import subject
+from persia.env import grace_period_s
 from persia.embedding_ps.checkpoint import write_json_atomic
 from persia.nn_worker import checkpoint_plan as plan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_GRACE_S = 30.0
 
 
 class GracefulStop(SystemExit):
@@ -46,15 +46,6 @@ class GracefulStop(SystemExit):
 
     def __init__(self):
         super().__init__(128 + signal.SIGTERM)
-
-
-def grace_period_s(env=None) -> float:
-    env = os.environ if env is None else env
-    raw = env.get("PERSIA_GRACE_PERIOD_SECONDS", "")
-    try:
-        return float(raw) if raw else DEFAULT_GRACE_S
-    except ValueError:
-        raise ValueError(f"PERSIA_GRACE_PERIOD_SECONDS={raw!r}: expected seconds") from None
 
 
 # -- files ----------------------------------------------------------------------------------------
