@@ -139,6 +139,8 @@ class TrainingPlacement:
     def from_env(cls, environ: Mapping[str, str] | None = None, local_rank: int = 0) -> "TrainingPlacement | None":
         environ = os.environ if environ is None else environ
         if not hasattr(os, "sched_setaffinity"):
+            if environ.get(ENV):
+                log.warning("CPU placement: %s is set, but this platform cannot set a thread's CPUs", ENV)
             return None
         plan, why = cpu_plan(environ.get(ENV), local_rank, os.sched_getaffinity(0))
         if plan is None:

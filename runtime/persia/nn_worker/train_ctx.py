@@ -603,6 +603,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if graceful:
                 self._stop_between_steps()
         finally:
+            if self._placement is not None:  # every thread back where the process started, first
+                self._placement.stop()
+                self._placement = None
             log_summary(self.rank, complete=exc is None)
             try:  # data loaders still holding an end of stream for us need not wait for an answer
                 self.bus.publish(subject("nn", "done"), {"rank": self.rank})
@@ -616,9 +619,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 self.bus.unsubscribe(sub)
             self._backward_pool.shutdown(wait=exc is None or graceful)
             self.bus.flush()
-            if self._placement is not None:
-                self._placement.stop()
-                self._placement = None
             super()._exit(exc)
 
 
