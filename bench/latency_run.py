@@ -37,14 +37,14 @@ def launcher_env(base: dict[str, str], connect_port: int, nats_credentials: dict
     return {**env, **nats_credentials}
 
 
-def placement_setting(command: list[str]) -> str:
-    """The launcher command's ``--cpu-placement`` (its default ``auto`` when absent)."""
-    for i, arg in enumerate(command):
-        if arg == "--cpu-placement" and i + 1 < len(command):
-            return command[i + 1]
-        if arg.startswith("--cpu-placement="):
-            return arg.split("=", 1)[1]
-    return "auto"
+def launcher_split(command: list[str], allowed: set[int]):
+    """The CPU split the launcher command will make (``persia.local.cpu_split`` on its own parsed
+    ``--cpu-placement`` and NN rank count), or None."""
+    from persia.launcher import build_parser
+    from persia.local import cpu_split
+
+    args, _ = build_parser().parse_known_args(command[1:])
+    return cpu_split(allowed, args.nproc_per_node, args.cpu_placement)[0]
 
 
 def unproxied(stats: dict, nats_upstream: str, min_grpc: int = MIN_GRPC_CONNECTIONS, min_nats: int = MIN_NATS_CONNECTIONS) -> list[str]:
@@ -72,14 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     if not command:
         p.error("no launcher command after --")
 
-    from persia.local import cpu_split
     from persia.nats_server import NatsServer
 
     # nats-server and the proxies' threads (the network's stand-ins) run where the launcher puts
-    # its roles, off the NN worker's training CPU (one NN rank here); the launcher, started once
-    # they run, splits the CPUs itself
+    # its roles, off the NN workers' training CPUs; the launcher, started once they run, splits
+    # the CPUs itself
     allowed = os.sched_getaffinity(0)
-    split_cpus, _ = cpu_split(allowed, 1, placement_setting(command))
+    split_cpus = launcher_split(command, allowed)
     if split_cpus is not None:
         os.sched_setaffinity(0, split_cpus.rest)
     nats = NatsServer()

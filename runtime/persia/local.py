@@ -72,7 +72,7 @@ def add_local_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=int(os.environ.get("PERSIA_MAX_RESTARTS", "3")),
                    help="whole-job restarts after a role is killed or a server exits (default 3; "
                         "each restart resumes from the latest checkpoint)")
-    p.add_argument("--grace-period", type=float, default=_grace_default(),
+    p.add_argument("--grace-period", type=float, default=grace_period_s(),
                    help="seconds roles get to shut down on SIGTERM (default PERSIA_GRACE_PERIOD_SECONDS or 30)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every role")
 
@@ -257,10 +257,6 @@ def _pump(proc: subprocess.Popen, prefix: str, out: _Output) -> None:
         out.line(prefix, raw.decode(errors="replace").rstrip("\n"))
 
 
-def _grace_default() -> float:
-    return grace_period_s()
-
-
 class LocalJob:
     """Runs the planned roles and supervises them until the trainer finishes or the job fails.
 
@@ -368,7 +364,7 @@ class LocalJob:
 def run_local(args) -> int:
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     try:
-        split, placement = cpu_split(allowed, args.nproc_per_node, getattr(args, "cpu_placement", "auto"))
+        split, placement = cpu_split(allowed, args.nproc_per_node, args.cpu_placement)
         roles = plan(args, base_env=dict(os.environ), split=split)
     except (ValueError, FileNotFoundError) as exc:
         print(f"persia-launcher local: {exc}", file=sys.stderr)

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from bench.delay_proxy import DelayProxy, ProxySet, parse_connect_request, parse_hostport
-from bench.latency_run import launcher_env, placement_setting, unproxied
+from bench.latency_run import launcher_env, launcher_split, unproxied
 
 
 class EchoServer:
@@ -212,7 +212,10 @@ def test_latency_run_routes_grpc_through_the_proxy_and_fails_runs_that_bypass_it
     assert "1 gRPC connection(s)" in problems[0] and "0 NATS connection(s)" in problems[1]
 
 
-def test_the_latency_run_reads_the_launchers_cpu_placement():
-    assert placement_setting(["persia-launcher", "local", "--nn-worker", "t.py"]) == "auto"
-    assert placement_setting(["persia-launcher", "local", "--cpu-placement", "off", "--x"]) == "off"
-    assert placement_setting(["persia-launcher", "local", "--cpu-placement=off"]) == "off"
+def test_the_latency_run_splits_the_cpus_as_its_launcher_command_will():
+    local = ["persia-launcher", "local", "--nn-worker", "t.py", "--data-loader", "d.py", "--embedding-config", "e.yml"]
+    split = launcher_split(local, {0, 1, 2})
+    assert split is not None and split.training == (0,) and split.rest == {1, 2}
+    assert launcher_split(local + ["--nproc-per-node", "2"], {0, 1, 2}).training == (0, 1)
+    assert launcher_split(local + ["--cpu-placement", "off"], {0, 1, 2}) is None
+    assert launcher_split(local + ["--nproc-per-node", "2"], {0, 1}) is None

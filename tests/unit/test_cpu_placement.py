@@ -117,20 +117,21 @@ def cpus(tid):
 def all_cpus():
     return {int(t): cpus(t) for t in os.listdir("/proc/self/task")}
 
-stop = threading.Event()
+stop, started = threading.Event(), threading.Event()
 def helper(out):
-    out.append(threading.get_native_id()); stop.wait()
+    out.append(threading.get_native_id()); started.set(); stop.wait()
 
 before, after = [], []
 threading.Thread(target=helper, args=(before,), daemon=True).start()
+assert started.wait(30)
 torch.set_num_threads(1)
 placement = TrainingPlacement.from_env({"PERSIA_TRAINING_CPUS": "0"})
 me = threading.get_native_id()
 placement.start(1)
 report = {"one": all_cpus()}
+started.clear()
 threading.Thread(target=helper, args=(after,), daemon=True).start()  # inherits CPU 0 ...
-while not after:
-    pass
+assert started.wait(30)
 report["made_after"] = cpus(after[0])
 placement.step_done()  # ... until the sweep after step 1
 report["swept"] = all_cpus()

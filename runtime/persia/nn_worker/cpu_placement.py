@@ -102,17 +102,13 @@ def sweep_due(step: int) -> bool:
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """``0-3,6``: the kernel's list format."""
-    out, run = [], []
+    runs: list[list[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def _process_threads() -> list[int]:
