@@ -69,7 +69,7 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
     channel is the mask (1 where an ID is, 0 for padding), as in PERSIA."""
     by_dim: dict[int, torch.Tensor] = {}
     gathered: dict[int, tuple[torch.Tensor, ...]] = {}  # dim -> its one-ID slots' tensors
-    gather_base: dict[int, torch.Tensor] = {}  # dim -> the one gather those are views of
+    gather_base: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # dim -> (the one gather those are views of, its index)
     leaves = []
     for t in tables:
         d = int(t["dim"])
@@ -78,8 +78,9 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
         leaves.append(leaf)
         if "gather" in t:  # one gather (one index_add in backward) for all; unbind's backward stacks
             k, bs = t["gather"].shape
-            gather_base[d] = leaf.index_select(0, _index(t["gather"], device).view(-1))
-            gathered[d] = gather_base[d].view(k, bs, d).unbind(0)
+            index = _index(t["gather"], device).view(-1)
+            gather_base[d] = (leaf.index_select(0, index), index)
+            gathered[d] = gather_base[d][0].view(k, bs, d).unbind(0)
     emb = []
     remake: dict[int, list[tuple[int, Callable, Callable]]] = {}  # dim -> (slot, rows it reads, value)
     for i, slot in enumerate(slots):
@@ -101,7 +102,7 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
     out = SlotTensors(leaves=leaves, emb=emb, used=used)
     for t, leaf in zip(tables, leaves):
         d = int(t["dim"])
-        out.patchers.append(_patcher(out, leaf, t.get("gather"), gather_base.get(d), remake.get(d, []), device))
+        out.patchers.append(_patcher(out, leaf, gather_base.get(d), remake.get(d, [])))
     return out
 
 
@@ -129,30 +130,31 @@ def _raw_slot(slot: dict, d: int, device) -> Callable[[torch.Tensor], torch.Tens
     return make
 
 
-def _patcher(out: SlotTensors, leaf: torch.Tensor, gather: np.ndarray | None, base: torch.Tensor | None,
-             remake: list, device) -> Callable[[np.ndarray, np.ndarray], None]:
-    """What :func:`patch` runs for one table: the leaf's rows, the one-ID slots' gather at the
-    positions that read a changed row, and every other slot of the dim that reads one, made again."""
-    flat = None if gather is None else gather.reshape(-1)
+def _patcher(out: SlotTensors, leaf: torch.Tensor, gather: tuple[torch.Tensor, torch.Tensor] | None,
+             remake: list) -> Callable[[np.ndarray, np.ndarray], None]:
+    """What :func:`patch` runs for one table: the leaf's rows, the one-ID slots' gather, and every
+    other slot of the dim that reads a changed row, made again.
+
+    The whole leaf is copied and the whole gather redone rather than only the changed positions:
+    a replayed update changes about half of a batch's rows and three quarters of its one-ID
+    positions (MLP 400 bench), where one copy and one ``index_select`` cost a quarter of the
+    scatters (about 50 against 220 µs for 26 slots of 256)."""
 
     def run(rows: np.ndarray, changed: np.ndarray) -> None:
-        hit = np.zeros(rows.shape[0], dtype=bool)
-        hit[changed] = True
-        at = None if base is None else np.flatnonzero(hit[flat])
         if leaf.device.type == "cpu":
-            # through numpy views of the (contiguous) tensors, without torch's dispatch of an
-            # index_put: this runs on the training thread
-            leaf.detach().numpy()[changed] = rows[changed]
-            if at is not None and at.size:
-                base.detach().numpy()[at] = rows[flat[at]]
+            np.copyto(leaf.detach().numpy(), rows)
         else:
-            fresh = torch.from_numpy(np.ascontiguousarray(rows[changed])).to(device)
-            leaf.data[torch.from_numpy(changed).to(device)] = fresh
-            if at is not None and at.size:
-                base.data[torch.from_numpy(at).to(device)] = torch.from_numpy(rows[flat[at]]).to(device)
-        for i, reads, make in remake:
-            if hit[reads()].any():
-                out.emb[i].data.copy_(make(leaf.detach()))
+            leaf.data.copy_(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)).to(leaf.device))
+        if gather is not None:
+            base, index = gather
+            # into .data: its own version counter, so the slot views of base stay valid for autograd
+            torch.index_select(leaf.data, 0, index, out=base.data)
+        if remake:
+            hit = np.zeros(rows.shape[0], dtype=bool)
+            hit[changed] = True
+            for i, reads, make in remake:
+                if hit[reads()].any():
+                    out.emb[i].data.copy_(make(leaf.detach()))
 
     return run
 
