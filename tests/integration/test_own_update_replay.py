@@ -4,6 +4,8 @@ embeddings and the same dense parameters, through real PS replicas and embedding
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,9 @@ pytestmark = pytest.mark.integration
 N_BATCHES = 24
 
 
-def _train(staleness: int, replay: bool, num_ps: int = 2):
+def _train(staleness: int, replay: bool, num_ps: int = 2, corrector_first: bool = False):
+    """``corrector_first``: after each step, wait until the next batch's corrector caught up, so
+    that it, not the training thread, replays what was sent after each reply."""
     torch.manual_seed(0)
     model = Model()
     errors: list = []
@@ -34,9 +38,16 @@ def _train(staleness: int, replay: bool, num_ps: int = 2):
             for batch in loader:
                 out, labels = ctx.forward(batch)
                 ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                if corrector_first:
+                    deadline = time.monotonic() + 10
+                    while not ctx._corrector.caught_up:
+                        assert time.monotonic() < deadline, "the corrector did not catch up within 10 s"
+                        time.sleep(0.001)
             ctx.wait_for_pending_updates()
-            # row-steps replayed: all, and of those the lookup thread's (before the batch's turn)
-            replayed = (0, 0) if ctx._own is None else (ctx._own.replayed_row_steps, ctx._own.replayed_ahead_row_steps)
+            # row-steps replayed: all, the lookup thread's (before the batch's turn), the corrector's
+            own = ctx._own
+            replayed = (0, 0, 0) if own is None else (own.replayed_row_steps, own.replayed_ahead_row_steps,
+                                                      own.replayed_next_row_steps)
         sender.join(30)
         assert not errors, errors
         emb = eval_embeddings(model, [make_batch(1000 + i, requires_grad=False) for i in range(3)])
@@ -57,13 +68,18 @@ def test_hybrid_training_with_replay_ends_where_synchronous_training_ends(persia
     # updates wait for a lookup to carry them: every lookup ahead of training misses some
     monkeypatch.setenv("PERSIA_UPDATE_HOLD_MS", "60000")
     sync = _train(staleness=1, replay=True, num_ps=num_ps)
-    assert sync[2] == (0, 0)  # synchronous lookups never miss an update: nothing to replay
+    assert sync[2] == (0, 0, 0)  # synchronous lookups never miss an update: nothing to replay
     hybrid = _train(staleness=4, replay=True, num_ps=num_ps)
-    total, ahead = hybrid[2]
-    # both parts ran: the lookup thread's (updates sent before the reply came in) and the
-    # training thread's (sent after); else the test would not prove that they add up
+    total, ahead, _ = hybrid[2]
+    # both kinds of part ran: the lookup thread's (updates sent before the reply came in) and
+    # the later ones (sent after: the next batch's corrector's, or the training thread's, which
+    # of them depends on timing); else the test would not prove that they add up
     assert 0 < ahead < total, f"replayed {total} row-steps, {ahead} of them ahead: the test would prove less"
     assert _same(hybrid, sync)
+    settled = _train(staleness=4, replay=True, num_ps=num_ps, corrector_first=True)
+    total, ahead, by_corrector = settled[2]
+    assert 0 < by_corrector <= total - ahead  # the corrector's part ran, with the training thread's after it
+    assert _same(settled, sync)
     stale = _train(staleness=4, replay=False, num_ps=num_ps)
     assert not _same(stale, sync)  # without replay the stale reads change the result
 

@@ -160,3 +160,46 @@ def test_the_lookup_threads_part_and_the_training_threads_part_equal_one_correct
     again = split.correct(t_split, r_split)
     assert again.replayed == 0 and again.touched == [None]
     np.testing.assert_array_equal(t_split[0]["rows"], t_whole[0]["rows"])
+
+
+def test_the_next_batch_correctors_part_sits_between_the_other_two_and_forgets_nothing():
+    """correct_next (the corrector thread, after updates 4-5 were sent) picks up where the lookup
+    thread stopped, and the training thread's part replays only update 6: together, bit for bit,
+    one correction at training time. correct_next keeps the history an earlier batch may need."""
+    cfg = AdagradConfig(lr=0.3)
+    rng = np.random.default_rng(9)
+    universe = np.arange(1, 40, dtype=np.uint64)
+    signs = np.sort(rng.choice(universe, 25, replace=False))
+    rows = rng.standard_normal((25, 4)).astype(np.float32)
+    state = np.full((25, 4), 0.01, np.float32)
+    streams = {}
+
+    def send(own, k):  # the same updates for both contexts
+        r = streams.setdefault(id(own), np.random.default_rng(200))
+        for _ in range(k):
+            us = np.sort(r.choice(universe, 15, replace=False))
+            own.sent(_reply_tables(us, np.zeros((15, 4), np.float32)), _slots(15),
+                     [r.standard_normal((15, 4)).astype(np.float32)], 1.0, [])
+
+    whole, split = OwnUpdates(cfg, 0.0, source=7), OwnUpdates(cfg, 0.0, source=7)
+    applied = np.array([2], np.int64)
+    t_split, r_split = [{"dim": 4, "rows": rows}], _replay_reply(signs, state, applied)
+    for own in (whole, split):
+        send(own, 3)
+    ahead = split.correct_ahead(t_split, r_split)
+    for own in (whole, split):
+        send(own, 2)
+    nxt = split.correct_next(t_split, r_split)
+    assert nxt.replayed > 0 and r_split["through"] == 5 and r_split["ahead"] == ahead + nxt.replayed
+    assert len(split.history) == 5  # nothing forgotten: only the training thread's part forgets
+    assert split.correct_next(t_split, r_split).replayed == 0  # nothing new sent: nothing stepped twice
+    for own in (whole, split):
+        send(own, 1)
+    t_whole, r_whole = [{"dim": 4, "rows": rows}], _replay_reply(signs, state, applied)
+    fixed_whole = whole.correct(t_whole, r_whole)
+    fixed_split = split.correct(t_split, r_split)
+    assert fixed_split.replayed > 0 and ahead + nxt.replayed + fixed_split.replayed == fixed_whole.replayed
+    np.testing.assert_array_equal(t_split[0]["rows"], t_whole[0]["rows"])
+    np.testing.assert_array_equal(r_split["tables"][0]["state"], r_whole["tables"][0]["state"])
+    assert split.replayed_next_row_steps == nxt.replayed and split.replayed_ahead_row_steps == ahead
+    assert split.corrected_batches == 1 and split.replayed_row_steps == fixed_whole.replayed

@@ -7,10 +7,12 @@ worker made those updates itself, so it can apply them to the rows it got: each 
 *seq*; a lookup says below which seq every update is known applied (``since``), and the PS answers
 with the rows' optimizer state and which of the seqs at or above ``since`` it had applied when it
 read them (per replica). The rest is replayed with the PS's own formula
-(:mod:`persia.nn_worker.replay`) in two parts: the updates already sent when the reply comes in,
-by the lookup thread (:meth:`OwnUpdates.correct_ahead`, off the training thread's critical
-path), and just before the batch is trained, those sent since (:meth:`OwnUpdates.correct`). With
-one NN rank hybrid training then reads what synchronous training reads; other ranks' updates
+(:mod:`persia.nn_worker.replay`) in up to three parts, each picking up where the last stopped
+(``replay["through"]``): the updates already sent when the reply comes in, by the lookup thread
+(:meth:`OwnUpdates.correct_ahead`); those sent since, by the next batch's corrector while the
+training thread steps (:meth:`OwnUpdates.correct_next`,
+:mod:`persia.nn_worker.next_batch_correction`); and what is left just before the batch is
+trained, on the training thread (:meth:`OwnUpdates.correct`). With one NN rank hybrid training then reads what synchronous training reads; other ranks' updates
 stay as stale as in PERSIA.
 """
 
@@ -50,6 +52,7 @@ class OwnUpdates:
         self.history = UpdateHistory()
         self.replayed_row_steps = 0  # rows re-applied, summed over updates (metrics, tests)
         self.replayed_ahead_row_steps = 0  # of which by the lookup thread
+        self.replayed_next_row_steps = 0  # of which by the next batch's corrector (correct_next)
         self.corrected_batches = 0
         self._lock = threading.Lock()
         self._next = 1
@@ -103,8 +106,25 @@ class OwnUpdates:
         # without the GIL: the training thread goes on meanwhile (the rows are this thread's copies)
         done = self._replay(tables, replay, self.history.since(int(replay["since"])), release_gil=True).replayed
         replay["ahead"] = done
-        self._count(done, batch=False, ahead=True)
+        self._count(done, batch=False, part="ahead")
         return done
+
+    def correct_next(self, tables: list[dict], replay: dict) -> "Correction":
+        """The next batch's correction, off the training thread (``NextBatchCorrector``): replay
+        every update sent so far that the read missed and no earlier part replayed. Forgets
+        nothing (another batch may still need older updates); without the GIL."""
+        if int(replay["source"]) != self.source:
+            return Correction(0, [None] * len(tables))
+        fixed = self._replay(tables, replay, self._missed(replay), release_gil=True)
+        replay["ahead"] = int(replay.get("ahead") or 0) + fixed.replayed
+        self._count(fixed.replayed, batch=False, part="next")
+        return fixed
+
+    def _missed(self, replay: dict) -> list[SentUpdate]:
+        """The updates sent that a batch's read missed and that no part of its correction replayed."""
+        missed = self.history.since(int(replay["since"]))
+        through = replay.get("through")
+        return missed if through is None else [u for u in missed if u.seq > through]
 
     def correct(self, tables: list[dict], replay: dict) -> "Correction":
         """Re-apply to a looked-up batch's rows the updates its lookup missed and
@@ -113,12 +133,8 @@ class OwnUpdates:
         cleared or loaded."""
         if int(replay["source"]) != self.source:
             return Correction(0, [None] * len(tables))
-        since = int(replay["since"])
-        missed = self.history.since(since)
-        self.history.forget_below(since)  # later batches were dispatched later: their since is >=
-        through = replay.get("through")
-        if through is not None:
-            missed = [u for u in missed if u.seq > through]
+        missed = self._missed(replay)
+        self.history.forget_below(int(replay["since"]))  # later batches were dispatched later: their since is >=
         fixed = self._replay(tables, replay, missed)
         self._count(fixed.replayed, batch=bool(fixed.replayed or replay.get("ahead")))
         return fixed
@@ -148,15 +164,16 @@ class OwnUpdates:
             replay["through"] = missed[-1].seq
         return Correction(done, touched)
 
-    def _count(self, row_steps: int, batch: bool, ahead: bool = False) -> None:
+    def _count(self, row_steps: int, batch: bool, part: str = "training") -> None:
         with self._lock:
             self.replayed_row_steps += row_steps
-            self.replayed_ahead_row_steps += row_steps if ahead else 0
+            self.replayed_ahead_row_steps += row_steps if part == "ahead" else 0
+            self.replayed_next_row_steps += row_steps if part == "next" else 0
             self.corrected_batches += int(batch)
 
 
 class Correction(NamedTuple):
-    """What :meth:`OwnUpdates.correct` replayed on the training thread: the row-steps, and per
+    """What :meth:`OwnUpdates.correct` or :meth:`~OwnUpdates.correct_next` replayed: the row-steps, and per
     table the positions whose rows it changed (None: none), which the tensors built ahead need
     rewritten."""
 

@@ -31,6 +31,7 @@ from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
 from persia.nn_worker.lookup_group import lookup_group_setting, lookup_group_size
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker import embedding_tensors
+from persia.nn_worker.next_batch_correction import NextBatchCorrector
 from persia.nn_worker.own_updates import OwnUpdates, replay_setting
 from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS
 from persia.nn_worker.thread_tuning import ThreadTuner, TuningPlan, candidates_for
@@ -106,6 +107,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # replay is exact when the PS applies our updates in seq order: the calls carrying them go
         # one at a time, each holding this from taking its updates out until the PS answered
         self._send_order = threading.RLock() if self._own is not None else None
+        # the next batch's replay while the training thread steps (next_batch_correction)
+        self._corrector = (NextBatchCorrector(self._correct_next, order=lambda b: int(b.replay["since"]))
+                           if self._own is not None else None)
         self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order)
         self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
@@ -220,16 +224,30 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if batch.replay is not None and batch.requires_grad and own is not None:
             own.correct_ahead(batch.emb_tables, batch.replay)
         super()._prebuild(batch)
+        if batch.replay is not None and batch.requires_grad and own is not None and self._corrector is not None:
+            self._corrector.ready(batch)
+
+    def _correct_next(self, batch: PersiaTrainingBatch) -> None:
+        """In the corrector's thread: the updates sent since the batch's read, on its rows and
+        the tensors built from them."""
+        own = self._own
+        if own is not None:
+            self._patch(batch, own.correct_next(batch.emb_tables, batch.replay))
+
+    @staticmethod
+    def _patch(batch: PersiaTrainingBatch, fixed) -> None:
+        """The tensors built ahead read the rows before the updates ``fixed`` replayed."""
+        if fixed.replayed and batch.prepared is not None:
+            for i, (table, touched) in enumerate(zip(batch.emb_tables, fixed.touched)):
+                if touched is not None:
+                    embedding_tensors.patch(batch.prepared.slots, i, table["rows"], touched)
 
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
         batch = persia_training_batch
         if batch.replay is not None and batch.requires_grad and self._own is not None:
-            fixed = self._own.correct(batch.emb_tables, batch.replay)
-            if fixed.replayed and batch.prepared is not None:
-                # the tensors the lookup thread built read the rows before these updates
-                for i, (table, touched) in enumerate(zip(batch.emb_tables, fixed.touched)):
-                    if touched is not None:
-                        embedding_tensors.patch(batch.prepared.slots, i, table["rows"], touched)
+            if self._corrector is not None:
+                self._corrector.take(batch)
+            self._patch(batch, self._own.correct(batch.emb_tables, batch.replay))
         return super().prepare_features(batch)
 
     def forward(self, batch: PersiaTrainingBatch):
@@ -372,6 +390,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if self._own is not None:
             update.source = self._own.source
             update.seq = self._own.sent(batch.emb_tables, batch.embeddings, grads, scale, unused)
+            if self._corrector is not None:
+                self._corrector.update_sent()
         self._outbox.put(update)
 
     def _track(self) -> Future:
@@ -606,6 +626,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if self._placement is not None:  # every thread back where the process started, first
                 self._placement.stop()
                 self._placement = None
+            if self._corrector is not None:
+                self._corrector.stop()
             log_summary(self.rank, complete=exc is None)
             try:  # data loaders still holding an end of stream for us need not wait for an answer
                 self.bus.publish(subject("nn", "done"), {"rank": self.rank})
