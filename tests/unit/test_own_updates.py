@@ -114,23 +114,32 @@ def _replay_reply(signs, state, applied):
                                                  "absent": np.zeros(0, np.int32), "applied": [applied]}]}
 
 
-def test_the_lookup_threads_part_and_the_training_threads_part_equal_one_correction_bit_for_bit():
-    """correct_ahead replays what was sent when the reply came in; correct, later, only what was
-    sent since. Together they step every row as one correction at training time does."""
-    cfg = AdagradConfig(lr=0.3)
-    rng = np.random.default_rng(5)
+def _looked_up_table(seed: int):
+    """``(signs, rows, state, send)``: a looked-up table of 25 of 39 signs (dim 4), and
+    ``send(own, k)``, which has ``own`` send k updates of 15 random signs each: the same updates,
+    in the same order, for every context."""
+    rng = np.random.default_rng(seed)
     universe = np.arange(1, 40, dtype=np.uint64)
     signs = np.sort(rng.choice(universe, 25, replace=False))
     rows = rng.standard_normal((25, 4)).astype(np.float32)
     state = np.full((25, 4), 0.01, np.float32)
+    streams: dict[int, np.random.Generator] = {}
 
-    def send(own, k):  # k updates of random subsets of the universe, the same for both contexts
-        r = np.random.default_rng(100 + k)
+    def send(own, k):
+        r = streams.setdefault(id(own), np.random.default_rng(seed + 100))
         for _ in range(k):
             us = np.sort(r.choice(universe, 15, replace=False))
             own.sent(_reply_tables(us, np.zeros((15, 4), np.float32)), _slots(15),
                      [r.standard_normal((15, 4)).astype(np.float32)], 1.0, [])
 
+    return signs, rows, state, send
+
+
+def test_the_lookup_threads_part_and_the_training_threads_part_equal_one_correction_bit_for_bit():
+    """correct_ahead replays what was sent when the reply came in; correct, later, only what was
+    sent since. Together they step every row as one correction at training time does."""
+    cfg = AdagradConfig(lr=0.3)
+    signs, rows, state, send = _looked_up_table(5)
     whole, split = OwnUpdates(cfg, 0.0, source=7), OwnUpdates(cfg, 0.0, source=7)
     for own in (whole, split):
         send(own, 3)  # seqs 1-3 sent before the reply; the PS had applied seq 2 when it read
@@ -167,20 +176,7 @@ def test_the_next_batch_correctors_part_sits_between_the_other_two_and_forgets_n
     thread stopped, and the training thread's part replays only update 6: together, bit for bit,
     one correction at training time. correct_next keeps the history an earlier batch may need."""
     cfg = AdagradConfig(lr=0.3)
-    rng = np.random.default_rng(9)
-    universe = np.arange(1, 40, dtype=np.uint64)
-    signs = np.sort(rng.choice(universe, 25, replace=False))
-    rows = rng.standard_normal((25, 4)).astype(np.float32)
-    state = np.full((25, 4), 0.01, np.float32)
-    streams = {}
-
-    def send(own, k):  # the same updates for both contexts
-        r = streams.setdefault(id(own), np.random.default_rng(200))
-        for _ in range(k):
-            us = np.sort(r.choice(universe, 15, replace=False))
-            own.sent(_reply_tables(us, np.zeros((15, 4), np.float32)), _slots(15),
-                     [r.standard_normal((15, 4)).astype(np.float32)], 1.0, [])
-
+    signs, rows, state, send = _looked_up_table(9)
     whole, split = OwnUpdates(cfg, 0.0, source=7), OwnUpdates(cfg, 0.0, source=7)
     applied = np.array([2], np.int64)
     t_split, r_split = [{"dim": 4, "rows": rows}], _replay_reply(signs, state, applied)
