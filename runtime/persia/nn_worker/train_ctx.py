@@ -224,8 +224,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if batch.replay is not None and batch.requires_grad and own is not None:
             own.correct_ahead(batch.emb_tables, batch.replay)
         super()._prebuild(batch)
-        if batch.replay is not None and batch.requires_grad and own is not None and self._corrector is not None:
-            self._corrector.ready(batch)
+        if batch.replay is not None and batch.requires_grad and self._corrector is not None:
+            self._corrector.ready(batch)  # exists with replay on (own is not None)
 
     def _correct_next(self, batch: PersiaTrainingBatch) -> None:
         """In the corrector's thread: the updates sent since the batch's read, on its rows and
