@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 from persia.errors import PersiaValidationError
@@ -48,18 +49,28 @@ def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> in
     return value
 
 
+def float_in_range(name: str, raw: str, low: float, high: float, unit: str) -> float:
+    """``raw`` (the value of environment variable ``name``) as a number of ``unit`` from ``low`` to
+    ``high`` (NaN is not); a ValueError names the variable, the range and the value."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not low <= value <= high:
+        raise ValueError(f"environment variable {name} must be a number of {unit} from {low:g} to {high:g}, got {raw!r}")
+    return value
+
+
 DEFAULT_GRACE_S = 30.0
+MAX_GRACE_S = 86_400.0
 
 
 def grace_period_s(environ=None) -> float:
-    """``PERSIA_GRACE_PERIOD_SECONDS`` (default 30): how long a stopping process may take before it
-    is killed (an NN worker's SIGTERM watchdog, a launcher stopping its children)."""
+    """``PERSIA_GRACE_PERIOD_SECONDS`` (default 30, 0 to a day): how long a stopping process may
+    take before it is killed (an NN worker's SIGTERM watchdog, a launcher stopping its children)."""
     environ = os.environ if environ is None else environ
-    raw = environ.get("PERSIA_GRACE_PERIOD_SECONDS", "")
-    try:
-        return float(raw) if raw else DEFAULT_GRACE_S
-    except ValueError:
-        raise ValueError(f"PERSIA_GRACE_PERIOD_SECONDS={raw!r}: expected seconds") from None
+    raw = environ.get("PERSIA_GRACE_PERIOD_SECONDS", "").strip()
+    return float_in_range("PERSIA_GRACE_PERIOD_SECONDS", raw, 0, MAX_GRACE_S, "seconds") if raw else DEFAULT_GRACE_S
 
 
 def get_rank() -> int | None:

@@ -69,3 +69,19 @@ def test_a_child_that_ignores_sigterm_is_killed_at_the_grace_period():
     assert (int(code), int(stubborn)) == (3, -9)  # the failure's code; SIGKILL for the stubborn one
     assert float(seconds) < 30, seconds
     assert "persia-launcher: rank 1 " in proc.stderr and "stopping the others" in proc.stderr
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan", "86401"])
+def test_a_bad_grace_period_is_refused_naming_the_variable_and_the_value(raw):
+    from persia.env import grace_period_s
+
+    with pytest.raises(ValueError, match=f"PERSIA_GRACE_PERIOD_SECONDS must be a number of seconds from 0 to 86400, "
+                                         f"got '{raw}'"):
+        grace_period_s({"PERSIA_GRACE_PERIOD_SECONDS": raw})
+
+
+@pytest.mark.parametrize("raw, expected", [(None, 30.0), ("", 30.0), ("0", 0.0), ("2.5", 2.5)])
+def test_the_grace_period_comes_from_the_environment(raw, expected):
+    from persia.env import grace_period_s
+
+    assert grace_period_s({} if raw is None else {"PERSIA_GRACE_PERIOD_SECONDS": raw}) == expected

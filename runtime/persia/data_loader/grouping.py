@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from persia.env import int_in_range
+from persia.env import float_in_range, int_in_range
 from persia.messages import MAX_SEND_GROUP
 
 ENV_DATA_GROUP = "PERSIA_DATA_GROUP"
@@ -45,14 +45,7 @@ def hold_setting(environ: Mapping[str, str]) -> float:
     raw = environ.get(ENV_HOLD_MS, "").strip()
     if raw == "":
         return DEFAULT_HOLD_MS / 1e3
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = -1.0
-    if not 1 <= ms <= 60_000:
-        raise ValueError(f"environment variable {ENV_HOLD_MS} must be a number of milliseconds from 1 to 60000, "
-                         f"got {environ[ENV_HOLD_MS]!r}")
-    return ms / 1e3
+    return float_in_range(ENV_HOLD_MS, raw, 1, 60_000, "milliseconds") / 1e3
 
 
 @dataclass

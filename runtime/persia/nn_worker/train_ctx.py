@@ -733,14 +733,11 @@ def float32_outputs(output):
 
 def _update_hold_s() -> float:
     """How long an update may wait for a lookup to carry it (``PERSIA_UPDATE_HOLD_MS``, default 50)."""
-    raw = os.environ.get("PERSIA_UPDATE_HOLD_MS", "50")
     try:
-        ms = float(raw)
-    except ValueError:
-        raise PersiaValidationError(f"PERSIA_UPDATE_HOLD_MS must be a number of milliseconds, got {raw!r}") from None
-    if not 0 <= ms <= 60_000:
-        raise PersiaValidationError(f"PERSIA_UPDATE_HOLD_MS must be in 0..60000, got {raw!r}")
-    return ms / 1000.0
+        return env.float_in_range("PERSIA_UPDATE_HOLD_MS", os.environ.get("PERSIA_UPDATE_HOLD_MS", "50"),
+                                  0, 60_000, "milliseconds") / 1000.0
+    except ValueError as exc:
+        raise PersiaValidationError(str(exc)) from None
 
 
 def _checkpointing_config():
