@@ -1,20 +1,20 @@
 """Own-update replay of the next batch, on a thread of its own while the training thread steps.
 
-Own-update replay (:mod:`persia.nn_worker.own_updates`) corrects a looked-up batch in two parts:
-the lookup thread replays the updates already sent when the reply comes in, and the training
-thread, just before the batch's forward, replays the ones sent since and rewrites the tensors
-built ahead (``embedding_tensors.patch``). With the reply in a step or more ahead, that second
-part is every batch's, and on CPU it was about a tenth of the training thread's time (MLP 400,
-docs/benchmarks.md).
+Own-update replay (:mod:`persia.nn_worker.own_updates`) corrects a looked-up batch for the
+updates its read missed. The lookup thread replays those already sent when the reply comes in;
+the reply comes a step or more ahead of the batch's turn, so the ones sent in between were
+replayed by the training thread, just before the batch's forward, with the tensors built ahead
+rewritten (``embedding_tensors.patch``): on CPU about a tenth of the training thread's time
+(MLP 400, docs/benchmarks.md, session 21).
 
-The :class:`NextBatchCorrector` moves it off the critical path: each time the training thread
-sends an update, the corrector replays everything missed so far on the oldest batch that is
-built and not yet trained (the next one, in the loader's order) and patches its tensors, while
-the training thread steps the dense optimizer and fetches that batch. The training thread's own
-part then replays only what the corrector did not reach (``replay["through"]`` says where it got
-to, so nothing is stepped twice). Exclusive by batch: :meth:`take` waits for a correction of the
-same batch in progress, and after it the corrector never touches that batch again. A failure in
-the corrector is raised by :meth:`take` for its batch, on the training thread.
+The :class:`NextBatchCorrector` moves that off the critical path: each time the training thread
+sends an update, the corrector replays everything missed so far on the ready batch ordered first
+(the next one in the loader's order) and patches its tensors, while the training thread steps the
+dense optimizer and fetches that batch. The training thread's own part then replays only what the
+corrector did not reach (``replay["through"]`` says where it got to, so nothing is stepped
+twice). Exclusive by batch: :meth:`take` waits for a correction of the same batch in progress,
+and after it the corrector never touches that batch again. A failure in the corrector is raised
+by :meth:`take` for its batch, on the training thread.
 """
 
 from __future__ import annotations
