@@ -693,21 +693,26 @@ def finite_step(loss: torch.Tensor | None, tensors: list[torch.Tensor]) -> tuple
     """``(loss has no NaN/Inf, no tensor of tensors has one)``, read from the device at once (the
     rare confirmation below aside): one float per question, finite where the answer is yes.
     ``loss`` None counts as finite."""
-    tensors = [t.detach() for t in tensors]
-    complex_ok = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_complex())
-    floats = [t for t in tensors if t.is_floating_point()]
-    # half-precision sums in float32: a float16 sum overflows at 65,504
-    values = [(t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()).float().reshape(1) for t in floats]
-    if loss is not None:  # 1 where every element is finite, inf where one is not
-        flag = (1.0 / torch.isfinite(loss.detach()).all().float()).reshape(1)
-        values.insert(0, flag.to(floats[0].device) if floats and flag.device != floats[0].device else flag)
-    if not values:
-        return True, complex_ok
-    read = torch.isfinite(torch.cat(values)).tolist()
-    loss_ok = read.pop(0) if loss is not None else True
-    # a sum of large finite values can overflow: a non-finite sum is confirmed element-wise
-    sums_ok = all(read) or all(bool(torch.isfinite(t).all()) for t in floats)
+    # As few torch calls as it takes (no grad graph, one stack, one read): it runs on the training
+    # thread every step, and each call is a chance for another thread to take the GIL.
+    with torch.no_grad():
+        complex_ok = all(bool(torch.isfinite(t).all()) for t in tensors if t.is_complex())
+        floats = [t for t in tensors if t.is_floating_point()]
+        # half-precision sums in float32: a float16 sum overflows at 65,504 (stack promotes the rest)
+        values = [t.sum(dtype=torch.float32) if t.dtype in _HALF else t.sum() for t in floats]
+        if loss is not None:  # a scalar loss itself (it cannot overflow); else 1 where all is finite, inf where not
+            flag = loss.reshape(()) if loss.numel() == 1 else 1.0 / torch.isfinite(loss).all().float()
+            values.insert(0, flag.to(floats[0].device) if floats and flag.device != floats[0].device else flag)
+        if not values:
+            return True, complex_ok
+        read = torch.isfinite(torch.stack(values)).tolist()
+        loss_ok = read.pop(0) if loss is not None else True
+        # a sum of large finite values can overflow: a non-finite sum is confirmed element-wise
+        sums_ok = all(read) or all(bool(torch.isfinite(t).all()) for t in floats)
     return loss_ok, complex_ok and sums_ok
+
+
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def _dense_grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
