@@ -106,6 +106,7 @@ def test_only_nn_ranks_are_told_their_cpus(tmp_path):
 
 CHILD = r"""
 import json, os, threading
+os.sched_setaffinity(0, {0, 1})  # the CPUs the process starts on (here, not in a preexec_fn: no fork with threads)
 import torch
 from persia.nn_worker.cpu_placement import TrainingPlacement
 
@@ -155,8 +156,7 @@ print(json.dumps(report))
 def test_threads_run_where_the_plan_says_and_go_back_after():
     env = dict(os.environ)
     env.pop(ENV, None)
-    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env,
-                          preexec_fn=lambda: os.sched_setaffinity(0, {0, 1}))
+    proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     me, before, after = str(r["me"]), str(r["before"]), str(r["after"])
