@@ -51,13 +51,15 @@ def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> in
 
 def float_in_range(name: str, raw: str, low: float, high: float, unit: str) -> float:
     """``raw`` (the value of environment variable ``name``) as a number of ``unit`` from ``low`` to
-    ``high`` (NaN is not); a ValueError names the variable, the range and the value."""
+    ``high`` (NaN is not); a PersiaValidationError (a ValueError) names the variable, the range and
+    the value."""
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not low <= value <= high:
-        raise ValueError(f"environment variable {name} must be a number of {unit} from {low:g} to {high:g}, got {raw!r}")
+        raise PersiaValidationError(
+            f"environment variable {name} must be a number of {unit} from {low:g} to {high:g}, got {raw!r}")
     return value
 
 

@@ -39,7 +39,6 @@ class NextBatchCorrector:
         self._sent = False  # an update was sent since the last correction began
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self.corrected = 0  # corrections run (tests, metrics)
 
     def ready(self, batch: Any) -> None:
         """``batch`` is built (lookup thread): the corrector may work on it until it is taken."""
@@ -110,5 +109,4 @@ class NextBatchCorrector:
             finally:
                 with self._cond:
                     self._busy = None
-                    self.corrected += 1
                     self._cond.notify_all()

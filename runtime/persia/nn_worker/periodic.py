@@ -39,7 +39,6 @@ from persia.nn_worker import checkpoint_plan as plan
 log = logging.getLogger(__name__)
 
 
-
 class GracefulStop(SystemExit):
     """SIGTERM ended training after a whole step (updates flushed, final checkpoint written when
     configured). A SystemExit, so the user's script ends without a traceback, exit code 143."""

@@ -229,10 +229,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
 
     def _correct_next(self, batch: PersiaTrainingBatch) -> None:
         """In the corrector's thread: the updates sent since the batch's read, on its rows and
-        the tensors built from them."""
-        own = self._own
-        if own is not None:
-            self._patch(batch, own.correct_next(batch.emb_tables, batch.replay))
+        the tensors built from them (the corrector exists only with replay on)."""
+        self._patch(batch, self._own.correct_next(batch.emb_tables, batch.replay))
 
     @staticmethod
     def _patch(batch: PersiaTrainingBatch, fixed) -> None:
@@ -738,11 +736,8 @@ def float32_outputs(output):
 
 def _update_hold_s() -> float:
     """How long an update may wait for a lookup to carry it (``PERSIA_UPDATE_HOLD_MS``, default 50)."""
-    try:
-        return env.float_in_range("PERSIA_UPDATE_HOLD_MS", os.environ.get("PERSIA_UPDATE_HOLD_MS", "50"),
-                                  0, 60_000, "milliseconds") / 1000.0
-    except ValueError as exc:
-        raise PersiaValidationError(str(exc)) from None
+    return env.float_in_range("PERSIA_UPDATE_HOLD_MS", os.environ.get("PERSIA_UPDATE_HOLD_MS", "50"),
+                              0, 60_000, "milliseconds") / 1000.0
 
 
 def _checkpointing_config():
