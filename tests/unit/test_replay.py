@@ -379,8 +379,10 @@ def test_a_lookup_threads_replay_runs_beside_other_threads_and_the_training_thre
         other.join()
         return time.perf_counter() - t0
 
-    single = min(one() for _ in range(3))
-    assert two_at_once(False) > 1.6 * single  # held: one after the other
+    # held: one after the other (re-measured while other work on the machine inflates one call)
+    deadline = time.monotonic() + 20
+    while (held := two_at_once(False)) <= 1.6 * (single := min(one() for _ in range(3))):
+        assert time.monotonic() < deadline, (held, single)
     deadline = time.monotonic() + 20  # released: side by side, once both threads get a CPU
     while (both := two_at_once(True)) > 1.4 * single and time.monotonic() < deadline:
         pass
