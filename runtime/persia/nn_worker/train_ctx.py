@@ -36,7 +36,6 @@ from persia.nn_worker.own_updates import OwnUpdates, replay_setting
 from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS
 from persia.nn_worker.thread_tuning import ThreadTuner, TuningPlan, candidates_for
 from persia.nn_worker.training_batch import PersiaTrainingBatch
-from persia.nn_worker.weight_grads import DeferWeightGrads, WeightGradWorker, defers_now, weight_grad_plan
 from persia.messages import NoPayload
 from persia.security import bind_address
 from persia.utils import advertise_host, find_free_port
@@ -117,7 +116,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._control_group = None
         self._thread_tuner: ThreadTuner | None = None
         self._placement: TrainingPlacement | None = None
-        self._weight_grads: WeightGradWorker | None = None
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
@@ -138,7 +136,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         attach_metrics(self.metrics)
         self._placement = self._place_training_thread()
         self._thread_tuner = self._make_thread_tuner()
-        self._weight_grads = self._make_weight_grad_worker()
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
 
     def _make_thread_tuner(self) -> ThreadTuner | None:
@@ -148,13 +145,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         agree = max_over_ranks(self._control_group) if self.world_size > 1 and self._control_group is not None else None
         plan = TuningPlan(candidates_for(torch.get_num_threads()))
         return ThreadTuner(plan, self._set_torch_threads, time.perf_counter, agree=agree, log=log.info) if plan.tunes else None
-
-    def _make_weight_grad_worker(self) -> WeightGradWorker | None:
-        """Linear weight gradients on a thread of their own (:mod:`persia.nn_worker.weight_grads`)."""
-        on, why = weight_grad_plan(os.environ, self.device.type, self.world_size, hasattr(self.model, "_orig_mod"))
-        if self.device.type == "cpu":
-            log.info("weight gradients: %s", why if on else f"with the rest of backward ({why})")
-        return WeightGradWorker() if on else None
 
     def _place_training_thread(self) -> TrainingPlacement | None:
         """``PERSIA_TRAINING_CPUS`` on CPU: the training thread on a CPU of its own (after the
@@ -268,12 +258,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             with torch.autocast("cuda", dtype=torch.float16):
                 output = self.model(non_id, emb)
             return float32_outputs(output)
-        if self._weight_grads is not None:
-            if self._weight_grads.pending():  # a backward outside ctx.backward: its weights' gradients
-                self._weight_grads.finish()
-            if defers_now(torch.get_num_threads()):
-                with DeferWeightGrads(self._weight_grads):
-                    return self.model(non_id, emb)
         return self.model(non_id, emb)
 
     # -- backward ---------------------------------------------------------------------------------
@@ -309,12 +293,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # With DDP every rank runs backward anyway (its all-reduce needs all of them); the
         # all-reduced dense gradients then tell every rank alike whether to step.
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
-        try:
-            scaled.backward()
-        except BaseException:
-            if self._weight_grads is not None:
-                self._weight_grads.discard()
-            raise
+        scaled.backward()
         grads = []  # one per dim: a row per distinct ID (autograd summed its occurrences)
         non_finite = False
         for leaf in batch.emb_leaves:
@@ -325,8 +304,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if not np.isfinite(g).all():
                 non_finite = True
             grads.append(g)
-        if self._weight_grads is not None:  # the Linear weights' gradients, computed meanwhile
-            self._weight_grads.finish()
         # under AMP the grad scaler checks the dense gradients itself
         loss_finite, dense_finite = finite_step(loss, [] if self.grad_scaler is not None
                                                 else _dense_grads(self.dense_optimizer))
@@ -649,10 +626,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 self._placement = None
             if self._corrector is not None:
                 self._corrector.stop()
-            if self._weight_grads is not None:
-                self._weight_grads.stop()
-                log.info("weight gradients: %d computed beside backward, %d taken back by the training thread",
-                         self._weight_grads.by_worker, self._weight_grads.taken_back)
             log_summary(self.rank, complete=exc is None)
             try:  # data loaders still holding an end of stream for us need not wait for an answer
                 self.bus.publish(subject("nn", "done"), {"rank": self.rank})
