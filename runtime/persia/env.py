@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 
 from persia.errors import PersiaValidationError
@@ -49,15 +48,22 @@ def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> in
     return value
 
 
+def number_in_range(raw: str, low: float, high: float) -> float | None:
+    """``raw`` as a float from ``low`` to ``high``, or None where it is not one (text, NaN, a value
+    out of range): the check an environment variable and a command-line flag share."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if low <= value <= high else None
+
+
 def float_in_range(name: str, raw: str, low: float, high: float, unit: str) -> float:
     """``raw`` (the value of environment variable ``name``) as a number of ``unit`` from ``low`` to
     ``high`` (NaN is not); a PersiaValidationError (a ValueError) names the variable, the range and
     the value."""
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not low <= value <= high:
+    value = number_in_range(raw, low, high)
+    if value is None:
         raise PersiaValidationError(
             f"environment variable {name} must be a number of {unit} from {low:g} to {high:g}, got {raw!r}")
     return value

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from persia.context import torch_threads_setting
-from persia.env import grace_period_s
+from persia.env import MAX_GRACE_S, grace_period_s, number_in_range
 from persia.errors import PersiaValidationError
 from persia.nn_worker.cpu_placement import ENV as TRAINING_CPUS_ENV, format_cpus
 from persia.procs import spawn, stop_in_order
@@ -72,9 +72,17 @@ def add_local_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, default=int(os.environ.get("PERSIA_MAX_RESTARTS", "3")),
                    help="whole-job restarts after a role is killed or a server exits (default 3; "
                         "each restart resumes from the latest checkpoint)")
-    p.add_argument("--grace-period", type=float, default=grace_period_s(),
+    p.add_argument("--grace-period", type=_grace_period_arg, default=grace_period_s(),
                    help="seconds roles get to shut down on SIGTERM (default PERSIA_GRACE_PERIOD_SECONDS or 30)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every role")
+
+
+def _grace_period_arg(text: str) -> float:
+    """Seconds from 0 to a day, as ``PERSIA_GRACE_PERIOD_SECONDS`` takes them."""
+    value = number_in_range(text, 0, MAX_GRACE_S)
+    if value is None:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds from 0 to {MAX_GRACE_S:g}, got {text!r}")
+    return value
 
 
 def _nn_threads_arg(text: str) -> int | str:

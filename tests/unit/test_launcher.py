@@ -85,3 +85,21 @@ def test_the_grace_period_comes_from_the_environment(raw, expected):
     from persia.env import grace_period_s
 
     assert grace_period_s({} if raw is None else {"PERSIA_GRACE_PERIOD_SECONDS": raw}) == expected
+
+
+_LOCAL_REQUIRED = ("--nn-worker", "train.py", "--data-loader", "load.py", "--embedding-config", "e.yml")
+
+
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan", "86401", "inf"])
+def test_a_bad_grace_period_flag_is_refused_naming_the_flag_and_the_value(raw, capsys):
+    from persia.launcher import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["local", *_LOCAL_REQUIRED, "--grace-period", raw])
+    assert f"argument --grace-period: must be a number of seconds from 0 to 86400, got '{raw}'" in capsys.readouterr().err
+
+
+def test_the_grace_period_flag_takes_seconds():
+    from persia.launcher import build_parser
+
+    assert build_parser().parse_args(["local", *_LOCAL_REQUIRED, "--grace-period", "2.5"]).grace_period == 2.5
