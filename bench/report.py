@@ -427,7 +427,11 @@ def render_path_cpu(pc: dict[str, Any], colocated: dict[str, Any] | None = None,
     with each PS replica inside its embedding worker's process, as a second table; ``targets``:
     the headline configuration on the other throughput targets' model and batch size, one more
     table each."""
-    out = ["### CPU per training sample, by role\n", _path_cpu_table(pc)]
+    out = ["### CPU per training sample, by role\n",
+           "*Large run samples/s* is the throughput of a pair's larger run: on a shared host, a pair whose runs "
+           "met the host's slow minutes trains slower and shows every role's CPU per sample higher together "
+           "(docs/benchmarks.md, issue 15, session 22), so read the pairs beside their speed.\n",
+           _path_cpu_table(pc)]
     if colocated is not None and colocated.get("status") == "ok":
         out.append("With each PS replica inside its embedding worker's process (`persia-launcher local "
                    "--colocate-ps`: the worker calls it without gRPC), the embedding worker's column holds both:\n")
@@ -482,12 +486,14 @@ def _path_cpu_table(pc: dict[str, Any]) -> str:
         "(target <= 20 µs).\n")
     roles = ["data-loader", "embedding-worker", "ps", "nats", "embedding_path", "nn-worker", "all_roles"]
     med = pc["median_us_per_sample"]
-    out.append("| " + " | ".join(["µs CPU per sample"] + [r.replace("_", " ") for r in roles] + ["load"]) + " |")
-    out.append("|" + "---|" * (len(roles) + 2))
+    out.append("| " + " | ".join(["µs CPU per sample"] + [r.replace("_", " ") for r in roles]
+                                 + ["large run samples/s", "load"]) + " |")
+    out.append("|" + "---|" * (len(roles) + 3))
     for i, pair in enumerate(pc["pairs"]):
-        row = [f"pair {i + 1}"] + [_f(pair["us_per_sample"].get(r), ".1f") for r in roles] + [_f(pair["load"], ".1f")]
+        row = ([f"pair {i + 1}"] + [_f(pair["us_per_sample"].get(r), ".1f") for r in roles]
+               + [_f(pair.get("samples_per_sec"), ",.0f"), _f(pair["load"], ".1f")])
         out.append("| " + " | ".join(row) + " |")
-    out.append("| " + " | ".join(["**median**"] + [f"**{_f(med.get(r), '.1f')}**" for r in roles] + [""]) + " |")
+    out.append("| " + " | ".join(["**median**"] + [f"**{_f(med.get(r), '.1f')}**" for r in roles] + ["", ""]) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -42,7 +42,7 @@ def _measured(embedding_path: float) -> dict:
     per = {"data-loader": 4.0, "embedding-worker": 9.0, "ps": 5.0, "nats": 2.0, "nn-worker": 50.0,
            "embedding_path": embedding_path, "all_roles": 70.0}
     return {"status": "ok", "configuration": "persia-hybrid st=2 ps=1 ew=1 nn-threads=2", "batch_size": 256,
-            "rows": [40_000, 160_000], "pairs": [{"us_per_sample": per, "load": 2.1, "samples_per_sec": 1.0}],
+            "rows": [40_000, 160_000], "pairs": [{"us_per_sample": per, "load": 2.1, "samples_per_sec": 21_503.6}],
             "median_us_per_sample": per}
 
 
@@ -62,7 +62,7 @@ def test_report_shows_each_pair_and_the_median():
     from bench.report import render_path_cpu
 
     text = render_path_cpu(_measured(20.0))
-    assert "| pair 1 | 4.0 | 9.0 | 5.0 | 2.0 | 20.0 | 50.0 | 70.0 | 2.1 |" in text
+    assert "| pair 1 | 4.0 | 9.0 | 5.0 | 2.0 | 20.0 | 50.0 | 70.0 | 21,504 | 2.1 |" in text
     assert "**20.0**" in text and "120,000 extra rows" in text
     assert "Not measured: not part of this profile" in render_path_cpu({"status": "skipped", "reason": "not part of this profile"})
 
