@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv demo serve-demo test test-scenarios test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc bench-gpu crds chart lint images images-check images-lock e2e e2e-kind clean
 
-$(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c runtime/persia/_unique.c
+$(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c runtime/persia/_unique.c runtime/persia/_rows.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0

@@ -1,5 +1,5 @@
-"""Declares the compiled kernels (the embedding PS's, the embedding worker's dedup); all other
-metadata lives in pyproject.toml.
+"""Declares the compiled kernels (the embedding PS's, the embedding worker's dedup, the NN worker's
+gather backward); all other metadata lives in pyproject.toml.
 
 The kernels read arrays through the buffer protocol, so building them needs only a C compiler and
 the Python headers (no numpy headers). ``-ffp-contract=off`` keeps its float32 arithmetic
@@ -22,5 +22,7 @@ setup(
         ),
         # the embedding worker's dedup of a batch's IDs (persia/unique.py)
         Extension("persia._unique", sources=["runtime/persia/_unique.c"], extra_compile_args=flags),
+        # the backward of the NN worker's one-ID slots' gather (persia/nn_worker/row_sums.py)
+        Extension("persia._rows", sources=["runtime/persia/_rows.c"], extra_compile_args=flags),
     ]
 )

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from persia.nn_worker.row_sums import GatherRows
+
 
 @dataclass
 class SlotTensors:
@@ -79,7 +81,7 @@ def build(tables: list[dict], slots: list[dict], device, requires_grad: bool) ->
         if "gather" in t:  # one gather (one index_add in backward) for all; unbind's backward stacks
             k, bs = t["gather"].shape
             index = _index(t["gather"], device).view(-1)
-            gather_base[d] = (leaf.index_select(0, index), index)
+            gather_base[d] = (GatherRows.apply(leaf, index) if requires_grad else leaf.index_select(0, index), index)
             gathered[d] = gather_base[d][0].view(k, bs, d).unbind(0)
     emb = []
     remake: dict[int, list[tuple[int, Callable, Callable]]] = {}  # dim -> (slot, rows it reads, value)
