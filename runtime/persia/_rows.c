@@ -31,15 +31,6 @@ static Py_ssize_t add_rows(float *out, Py_ssize_t rows, const int64_t *index, co
     for (Py_ssize_t i = 0; i < n; i++)
         if (index[i] < 0 || index[i] >= rows)
             return i;
-    if (dim == 16) { /* the common width: a fixed-size inner loop the compiler vectorises */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            float *o = out + (size_t)index[i] * 16u;
-            const float *s = src + (size_t)i * 16u;
-            for (int d = 0; d < 16; d++)
-                o[d] += s[d];
-        }
-        return -1;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         float *o = out + (size_t)index[i] * (size_t)dim;
         const float *s = src + (size_t)i * (size_t)dim;
