@@ -28,7 +28,7 @@ from typing import Any
 from bench import machine as machine_probe
 from bench._paths import DOCS_DIR, RESULTS_DIR, child_env
 from bench.persia_local import adult_income_command, find_launcher, launcher_unavailable_reason, synthetic_command
-from bench.procmem import PeakMemorySampler
+from bench.procmem import PeakMemorySampler, cpu_between
 from bench.spec import DEFAULT_HYBRID_STALENESS, RunSpec
 from synthetic_ctr.generate import generate_dataset
 from synthetic_ctr.manifest import GeneratorConfig
@@ -333,8 +333,11 @@ def run_log_name(index: int, group: str, spec: RunSpec, prefix: str = "") -> str
     return f"{prefix}{index:03d}-{group}-{spec.label.replace(' ', '_').replace('=', '')}-s{spec.seed}.log"
 
 
-def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Path) -> dict[str, Any]:
-    """Run one command in its own session, sample its tree's memory, parse its PERSIA_RESULT."""
+def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Path,
+            sample_interval_s: float = 0.2) -> dict[str, Any]:
+    """Run one command in its own session, sample its tree's memory and CPU, parse its PERSIA_RESULT.
+    A result that names its training window (``train_window_unix``) also gets each role's CPU inside
+    it (``training_cpu_s``), start-up and shutdown left out."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]  # other work on the machine shows up here (ours adds ~2)
     started = time.perf_counter()
@@ -342,7 +345,7 @@ def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Pa
         log.write("$ " + " ".join(argv) + "\n")
         log.flush()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        sampler = PeakMemorySampler(proc.pid).start()
+        sampler = PeakMemorySampler(proc.pid, sample_interval_s).start()
         try:
             stdout, _ = proc.communicate(timeout=timeout_s)
             timed_out = False
@@ -370,6 +373,12 @@ def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Pa
     except ValueError as e:
         result, record["reason"] = None, str(e)
     record["result"] = result
+    window = (result or {}).get("train_window_unix")
+    if window:
+        try:
+            record["training_cpu_s"] = cpu_between(sampler.series, *window)
+        except ValueError as e:
+            record["training_cpu_reason"] = str(e)
     if timed_out:
         record["status"], record["reason"] = "timeout", f"killed after {timeout_s:.0f}s"
     elif result is not None and result.get("skipped"):

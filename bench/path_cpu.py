@@ -6,6 +6,11 @@ start-up, discovery and evaluation are the same in both runs and cancel. The emb
 what the disaggregated embedding costs beside the NN worker: data loader + embedding worker + PS
 + nats-server (issue 15's item 3, target <= 20 µs).
 
+Beside it, the same difference taken over each run's training window only (the trainer reports
+the unix times of its first batch and its last step; the sampler's CPU series is read at both):
+start-up and shutdown then leave no noise in it, so a pair that moves in one figure and not the
+other moved outside training.
+
     python -m bench.path_cpu                       # 40k and 160k rows, hybrid st=2, nn-threads 2
     python -m bench.path_cpu --pairs 3 --system persia-sync
     python -m bench.path_cpu --mlp ffnn --small-rows 5000 --large-rows 20000
@@ -50,6 +55,16 @@ def marginal_us_per_sample(small: dict[str, dict], large: dict[str, dict], rows:
     return out
 
 
+def training_marginal(small: dict[str, Any], large: dict[str, Any], rows: int,
+                      colocate_ps: bool = False) -> dict[str, float] | None:
+    """:func:`marginal_us_per_sample` of two run records' CPU inside their training windows
+    (``training_cpu_s``, set by ``bench.e2e_bench.execute``); None when either run has none."""
+    if not small.get("training_cpu_s") or not large.get("training_cpu_s"):
+        return None
+    return marginal_us_per_sample(*({role: {"cpu_s": s} for role, s in run["training_cpu_s"].items()}
+                                    for run in (small, large)), rows, colocate_ps)
+
+
 def median_by_role(pairs: list[dict[str, float]]) -> dict[str, float]:
     roles = sorted(set().union(*pairs)) if pairs else []
     return {r: statistics.median(p[r] for p in pairs if r in p) for r in roles}
@@ -70,22 +85,28 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
                            staleness=staleness if system == "persia-hybrid" else None, nn_threads=nn_threads,
                            colocate_ps=colocate_ps)
             argv, env = command_for(spec, launcher)
-            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-{mlp}-b{batch_size}{'-colocated' if colocate_ps else ''}-{i}-{rows}.log")
+            rec = execute(argv, env, spec.timeout_s, logs_dir / f"path-cpu-{mlp}-b{batch_size}{'-colocated' if colocate_ps else ''}-{i}-{rows}.log",
+                          sample_interval_s=0.1)
             if rec["status"] != "ok":
                 raise RuntimeError(f"path CPU run of {rows} rows failed: {rec.get('reason')}")
             got[rows] = rec
         per = marginal_us_per_sample(got[small_rows]["memory"], got[large_rows]["memory"], large_rows - small_rows,
                                      colocate_ps)
+        training = training_marginal(got[small_rows], got[large_rows], large_rows - small_rows, colocate_ps)
         load = max(r[k] for r in got.values() for k in ("loadavg_start", "loadavg_end"))
-        runs.append({"us_per_sample": per, "load": load,
+        runs.append({"us_per_sample": per, "training_us_per_sample": training, "load": load,
                      "samples_per_sec": got[large_rows]["result"].get("samples_per_sec")})
         log(f"path CPU pair {i + 1}/{pairs} (load {load:.1f}): " + ", ".join(f"{k} {v:.1f}" for k, v in per.items()))
+        if training is not None:
+            log("  training window only: " + ", ".join(f"{k} {v:.1f}" for k, v in training.items()))
     label = f"{system} st={staleness}" if system == "persia-hybrid" else system
     return {
         "configuration": f"{label} ps=1 ew=1{' colocated' if colocate_ps else ''} nn-threads={nn_threads}",
         "mlp": mlp, "batch_size": batch_size, "colocate_ps": colocate_ps,
         "rows": [small_rows, large_rows], "pairs": runs,
         "median_us_per_sample": median_by_role([r["us_per_sample"] for r in runs]),
+        "median_training_us_per_sample": (median_by_role([r["training_us_per_sample"] for r in runs])
+                                          if all(r["training_us_per_sample"] for r in runs) else None),
     }
 
 
@@ -129,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(doc, indent=2) + "\n")
     med = doc["median_us_per_sample"]
     print("µs CPU per training sample (median of pairs): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
+    if doc["median_training_us_per_sample"]:
+        print("  the same over the training windows only: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in doc["median_training_us_per_sample"].items()))
     print(f"written {out}")
     return 0
 

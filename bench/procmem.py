@@ -4,12 +4,16 @@ Each process's ``VmHWM`` is its own resident high-water mark, so a sample taken 
 earlier peak; only growth in the last sampling interval before a process exits can be missed.
 CPU time (user + system, all threads) only grows, so the last sample of a process is its total up
 to within one sampling interval: on a 2-core machine it says which role used the cores.
+The sampler also keeps each role's CPU seconds over time, so a caller can take the CPU spent
+inside a window it knows (the training phase) and leave start-up and shutdown out.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -124,6 +128,32 @@ def add_cpu(summary: dict[str, dict[str, float]], cpu: Iterable[tuple[str, float
     return summary
 
 
+CpuSeries = list[tuple[float, dict[str, float]]]  # (unix time, CPU seconds by role so far)
+
+
+def role_cpu_at(series: CpuSeries, t: float) -> dict[str, float]:
+    """CPU seconds by role at unix time ``t``, interpolated linearly between the two samples around
+    it (a role absent from a sample had used none yet). Pure; ``t`` must lie within the series."""
+    if not series or not series[0][0] <= t <= series[-1][0]:
+        span = f"{series[0][0]:.3f}..{series[-1][0]:.3f}" if series else "an empty series"
+        raise ValueError(f"time {t:.3f} is outside the sampled span {span}")
+    i = bisect.bisect_left([s[0] for s in series], t)
+    t1, after = series[i]
+    if t1 == t or i == 0:
+        return dict(after)
+    t0, before = series[i - 1]
+    w = (t - t0) / (t1 - t0)
+    return {r: before.get(r, 0.0) + w * (after.get(r, 0.0) - before.get(r, 0.0)) for r in set(before) | set(after)}
+
+
+def cpu_between(series: CpuSeries, start: float, end: float) -> dict[str, float]:
+    """CPU seconds by role spent between unix times ``start`` and ``end`` (pure)."""
+    if end < start:
+        raise ValueError(f"window ends ({end:.3f}) before it starts ({start:.3f})")
+    a, b = role_cpu_at(series, start), role_cpu_at(series, end)
+    return {r: b.get(r, 0.0) - a.get(r, 0.0) for r in set(a) | set(b)}
+
+
 class PeakMemorySampler:
     """Polls a process tree in a thread until ``stop()``; ``result()`` gives per-role peaks of
     memory and CPU seconds."""
@@ -132,6 +162,7 @@ class PeakMemorySampler:
         self.root, self.interval = root_pid, interval_s
         self._peaks: dict[int, tuple[str, float]] = {}
         self._cpu: dict[int, tuple[str, float]] = {}
+        self.series: CpuSeries = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
 
@@ -140,6 +171,7 @@ class PeakMemorySampler:
         return self
 
     def sample(self) -> None:
+        started = time.time()
         for pid in descendants(self.root):
             mb = peak_rss_mb(pid)
             if mb is None:
@@ -152,6 +184,10 @@ class PeakMemorySampler:
             cpu = cpu_seconds(pid)
             if cpu is not None:
                 self._cpu[pid] = (role, max(cpu, self._cpu.get(pid, ("", 0.0))[1]))
+        by_role: dict[str, float] = {}
+        for role, cpu in self._cpu.values():
+            by_role[role] = by_role.get(role, 0.0) + cpu
+        self.series.append(((started + time.time()) / 2, by_role))  # the reads' midpoint
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -483,17 +483,22 @@ def _path_cpu_table(pc: dict[str, Any]) -> str:
         f"those of a {small:,}-row run, divided by the {large - small:,} extra rows (start-up, discovery and "
         f"evaluation cancel); median of {len(pc['pairs'])} pair(s). The **embedding path** is data loader + "
         "embedding worker + PS + nats-server: what the disaggregated embedding costs beside the NN worker "
-        "(target <= 20 µs).\n")
+        "(target <= 20 µs). *Path, training only*: the embedding path's figure from the CPU each role spent "
+        "inside the two runs' training windows (first batch to last step), without start-up and shutdown.\n")
     roles = ["data-loader", "embedding-worker", "ps", "nats", "embedding_path", "nn-worker", "all_roles"]
     med = pc["median_us_per_sample"]
+    med_training = pc.get("median_training_us_per_sample") or {}
     out.append("| " + " | ".join(["µs CPU per sample"] + [r.replace("_", " ") for r in roles]
-                                 + ["large run samples/s", "load"]) + " |")
-    out.append("|" + "---|" * (len(roles) + 3))
+                                 + ["path, training only", "large run samples/s", "load"]) + " |")
+    out.append("|" + "---|" * (len(roles) + 4))
     for i, pair in enumerate(pc["pairs"]):
+        training = pair.get("training_us_per_sample") or {}
         row = ([f"pair {i + 1}"] + [_f(pair["us_per_sample"].get(r), ".1f") for r in roles]
-               + [_f(pair.get("samples_per_sec"), ",.0f"), _f(pair["load"], ".1f")])
+               + [_f(training.get("embedding_path"), ".1f"), _f(pair.get("samples_per_sec"), ",.0f"),
+                  _f(pair["load"], ".1f")])
         out.append("| " + " | ".join(row) + " |")
-    out.append("| " + " | ".join(["**median**"] + [f"**{_f(med.get(r), '.1f')}**" for r in roles] + ["", ""]) + " |")
+    out.append("| " + " | ".join(["**median**"] + [f"**{_f(med.get(r), '.1f')}**" for r in roles]
+                                 + [f"**{_f(med_training.get('embedding_path'), '.1f')}**", "", ""]) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -72,6 +72,7 @@ def main() -> None:
                                            fused=True)
     embedding_optimizer = Adagrad(lr=settings.embedding_lr)
     curve, samples, first_batch, train_s, started = [], 0, 0, 0.0, None
+    window = [None, None]  # unix times of the first batch and the last step's end (bench/path_cpu.py)
     with TrainCtx(
         model=model,
         embedding_optimizer=embedding_optimizer,
@@ -86,9 +87,10 @@ def main() -> None:
         )
         for i, batch in enumerate(loader):
             if started is None:  # the clock starts when data flows, not at process start-up
-                started = time.perf_counter()
+                started, window[0] = time.perf_counter(), time.time()
             output, labels = ctx.forward(batch)
             ctx.backward(F.binary_cross_entropy(output, labels[0]))
+            window[1] = time.time()
             bs = labels[0].shape[0]
             samples += bs
             first_batch = first_batch or bs
@@ -112,6 +114,7 @@ def main() -> None:
                     "train_seconds": train_s,
                     "samples_per_sec": timed * world_size / train_s if train_s > 0 else None,
                     "auc_curve": curve,
+                    "train_window_unix": window if window[0] is not None else None,
                     "staleness": settings.staleness,
                     "world_size": world_size,
                     "threads": torch.get_num_threads(),

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.path_cpu import marginal_us_per_sample, median_by_role
+from bench.path_cpu import marginal_us_per_sample, median_by_role, training_marginal
 
 
 def roles(**cpu):
@@ -38,6 +38,20 @@ def test_median_over_pairs_per_role():
     assert median_by_role([{"ps": 1.0}, {"ps": 3.0}, {"ps": 2.0, "nats": 1.0}]) == {"nats": 1.0, "ps": 2.0}
 
 
+def test_the_training_window_figure_uses_the_cpu_spent_inside_each_runs_window():
+    small = {"memory": roles(ps=9.0), "training_cpu_s": {"data-loader": 0.5, "embedding-worker": 1.0, "ps": 0.5,
+                                                         "nats": 0.1, "nn-worker": 3.0, "launcher": 0.0}}
+    large = {"memory": roles(ps=99.0), "training_cpu_s": {"data-loader": 1.1, "embedding-worker": 3.4, "ps": 1.4,
+                                                          "nats": 0.4, "nn-worker": 9.0, "launcher": 0.0}}
+    out = training_marginal(small, large, 100_000)
+    assert out["embedding_path"] == pytest.approx(6 + 24 + 9 + 3)  # the lifetime figures (memory) play no part
+    assert out["nn-worker"] == pytest.approx(60.0)
+    assert training_marginal({"memory": {}}, large, 100_000) is None  # a trainer that reports no window
+    del large["training_cpu_s"]["ps"]
+    with pytest.raises(ValueError, match=r"\['ps'\]"):
+        training_marginal(small, large, 100_000)
+
+
 def _measured(embedding_path: float) -> dict:
     per = {"data-loader": 4.0, "embedding-worker": 9.0, "ps": 5.0, "nats": 2.0, "nn-worker": 50.0,
            "embedding_path": embedding_path, "all_roles": 70.0}
@@ -62,8 +76,14 @@ def test_report_shows_each_pair_and_the_median():
     from bench.report import render_path_cpu
 
     text = render_path_cpu(_measured(20.0))
-    assert "| pair 1 | 4.0 | 9.0 | 5.0 | 2.0 | 20.0 | 50.0 | 70.0 | 21,504 | 2.1 |" in text
+    assert "| pair 1 | 4.0 | 9.0 | 5.0 | 2.0 | 20.0 | 50.0 | 70.0 | — | 21,504 | 2.1 |" in text  # no window
     assert "**20.0**" in text and "120,000 extra rows" in text
+    windowed = _measured(20.0)
+    windowed["pairs"][0]["training_us_per_sample"] = {"embedding_path": 17.5}
+    windowed["median_training_us_per_sample"] = {"embedding_path": 17.5}
+    text = render_path_cpu(windowed)
+    assert "| 70.0 | 17.5 | 21,504 | 2.1 |" in text and "| **70.0** | **17.5** |  |  |" in text
+    assert "path, training only" in text
     assert "Not measured: not part of this profile" in render_path_cpu({"status": "skipped", "reason": "not part of this profile"})
 
 

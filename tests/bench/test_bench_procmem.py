@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from bench.procmem import PeakMemorySampler, add_cpu, classify_role, cpu_seconds, descendants, summarize
+from bench.procmem import (PeakMemorySampler, add_cpu, classify_role, cpu_between, cpu_seconds, descendants,
+                           role_cpu_at, summarize)
 
 
 @pytest.mark.parametrize(
@@ -91,3 +92,63 @@ def test_sampler_sees_the_peak_of_every_process_in_the_tree():
     finally:
         proc.stdin.close()
         proc.wait(timeout=30)
+
+
+SERIES = [(100.0, {"launcher": 0.5}), (101.0, {"launcher": 1.0, "ps": 0.2}), (103.0, {"launcher": 1.0, "ps": 1.2})]
+
+
+def test_role_cpu_is_interpolated_between_the_samples_around_a_time():
+    assert role_cpu_at(SERIES, 100.0) == {"launcher": 0.5}
+    assert role_cpu_at(SERIES, 101.0) == {"launcher": 1.0, "ps": 0.2}
+    mid = role_cpu_at(SERIES, 102.5)
+    assert mid["launcher"] == pytest.approx(1.0) and mid["ps"] == pytest.approx(0.95)
+    early = role_cpu_at(SERIES, 100.5)  # the PS had not started at 100.0: it had used nothing
+    assert early["ps"] == pytest.approx(0.1) and early["launcher"] == pytest.approx(0.75)
+
+
+def test_cpu_between_leaves_out_what_came_before_and_after_the_window():
+    out = cpu_between(SERIES, 101.0, 103.0)
+    assert out["ps"] == pytest.approx(1.0) and out["launcher"] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("start, end, match", [(99.0, 101.0, "outside the sampled span 100.000..103.000"),
+                                              (101.0, 104.0, "time 104.000 is outside"),
+                                              (102.0, 101.0, "ends .* before it starts")])
+def test_a_window_the_series_does_not_cover_is_refused(start, end, match):
+    with pytest.raises(ValueError, match=match):
+        cpu_between(SERIES, start, end)
+    with pytest.raises(ValueError, match="empty series"):
+        role_cpu_at([], 1.0)
+
+
+BURST = """
+import time
+print("idle", time.time(), flush=True)
+time.sleep(0.6)
+t0 = time.time()
+t = time.process_time()
+while time.process_time() - t < 0.6:
+    pass
+print("burst", t0, time.time(), flush=True)
+input()
+"""
+
+
+def test_the_series_puts_a_real_process_cpu_inside_the_window_it_was_spent():
+    proc = subprocess.Popen([sys.executable, "-c", BURST, "data_loader.py"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    sampler = PeakMemorySampler(proc.pid, interval_s=0.05).start()
+    try:
+        word, idle_from = proc.stdout.readline().split()
+        assert word == "idle"
+        word, start, end = proc.stdout.readline().split()  # the 0.6 s burst has ended by now
+        assert word == "burst"
+        sampler.sample()
+        sampler.stop()
+        burst = cpu_between(sampler.series, float(start), float(end))["data-loader"]
+        idle = cpu_between(sampler.series, float(idle_from) + 0.1, float(start) - 0.1).get("data-loader", 0.0)
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+    assert 0.45 <= burst <= 0.75  # the burst's CPU is in its window (to a sample interval either side)
+    assert idle < 0.1  # and not in the idle second before it

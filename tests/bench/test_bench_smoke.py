@@ -38,6 +38,10 @@ def test_bench_smoke_writes_report_plots_and_headline(tmp_path):
     assert SYNC in by_label
     if hybrid["status"] == "ok":
         assert head["hybrid_sps_mlp400"] > 0 and head["auc_gap_hybrid_sync"] is not None
+        start, end = hybrid["result"]["train_window_unix"]  # the trainer names its training window
+        assert start < end and hybrid["training_cpu_s"]["nn-worker"] > 0  # and the CPU inside it is read
+        path = json.loads((tmp_path / "results" / "runs.json").read_text())["path_cpu"]
+        assert all(p["training_us_per_sample"] is not None for p in path["pairs"])
     else:
         assert head["hybrid_sps_mlp400"] is None and head["notes"]["hybrid_sps_mlp400"]
     delayed = [r for r in runs if r["mlp"] == "latency_2ms"]  # our system behind the delaying proxies
