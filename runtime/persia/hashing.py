@@ -74,7 +74,7 @@ def hash_stack(ids: np.ndarray, rounds: int, embedding_size: int) -> np.ndarray:
     return out
 
 
-def _seed_salt(*parts: int) -> np.uint64:
+def seed_salt(*parts: int) -> np.uint64:
     """One 64-bit salt from the user's seed (and a nonce): 0 for seed 0, so seed 0 keeps the
     initial values every earlier checkpoint was created with."""
     if not any(parts):
@@ -95,7 +95,7 @@ def uniform_from_signs(signs: np.ndarray, dim: int, lower: float, upper: float, 
     """
     signs = np.asarray(signs, dtype=np.uint64)
     if seed:
-        signs = signs ^ _seed_salt(seed)
+        signs = signs ^ seed_salt(seed)
     cols = np.arange(dim, dtype=np.uint64) * _GOLDEN
     with np.errstate(over="ignore"):
         h = mix64(mix64(signs)[:, None] ^ cols[None, :])
@@ -106,7 +106,7 @@ def uniform_from_signs(signs: np.ndarray, dim: int, lower: float, upper: float, 
 def unit_from_signs(signs: np.ndarray, seed: int, nonce: int) -> np.ndarray:
     """A uniform draw in ``[0, 1)`` per sign, a pure function of ``(sign, seed, nonce)``: the PS
     admits new IDs with it, so which IDs get a row does not depend on how IDs are sharded."""
-    h = mix64_salted(np.asarray(signs, dtype=np.uint64), int(_seed_salt(seed, nonce + 1, 0xAD317)))
+    h = mix64_salted(np.asarray(signs, dtype=np.uint64), int(seed_salt(seed, nonce + 1, 0xAD317)))
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

@@ -20,7 +20,7 @@ from persia.embedding_ps import (
     kernels,
 )
 from persia.embedding_ps import index as ix
-from persia.hashing import INTERNAL_SHARD_SALT
+from persia.hashing import INTERNAL_SHARD_SALT, uniform_from_signs
 
 _kernels = kernels._kernels
 
@@ -382,3 +382,122 @@ def test_a_training_lookup_stamps_the_row_itself_on_both_paths():
     expected[::3] = 2
     np.testing.assert_array_equal(stamps, expected)
     np.testing.assert_array_equal(t_k.signs_of_rows[rows], signs)
+
+
+# -- index inserts --------------------------------------------------------------------------------
+def _crowded_inserts(seed: int, shards: int = 3, slots: int = 64):
+    """An index region a third full of rows and tombstones, and new entries crowding a few home
+    slots (so probes collide, wrap and reuse tombstones)."""
+    rng = np.random.default_rng(seed)
+    index = np.zeros(shards * slots, np.uint32)
+    taken = rng.choice(index.shape[0], index.shape[0] // 3, replace=False)
+    index[taken[: len(taken) // 2]] = ix.TOMBSTONE
+    index[taken[len(taken) // 2 :]] = rng.integers(ix.FIRST_ROW, 1000, len(taken) - len(taken) // 2)
+    homes = rng.integers(0, 2**32, 6, dtype=np.uint64) << np.uint64(32)
+    h = rng.choice(homes, 40) | rng.integers(0, 2**32, 40, dtype=np.uint64)  # 40 entries, 6 home slots
+    rows = np.arange(5000, 5040, dtype=np.int64)
+    return index, h, rows
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_compiled_insert_leaves_every_entry_reachable_as_numpy_does(seed):
+    index, h, rows = _crowded_inserts(seed)
+    compiled, reference = index.copy(), index.copy()
+    reused = kernels.insert(compiled, h, rows, 3, 64)
+    assert reused == ix.insert(reference, h, rows, 3, 64)  # the same tombstones get used up
+    assert sorted(compiled.tolist()) == sorted(reference.tolist())  # the same entries, maybe other slots
+    for idx in (compiled, reference):  # every new entry found along its own probe chain
+        pos = ix.locate_rows(idx, rows, h, 3, 64)
+        np.testing.assert_array_equal(idx[pos], rows.astype(np.uint32))
+    home = ix.home_slots(h, 3, 64)
+    last = {int(p): int(r) for p, r in zip(home, rows) if index[p] <= ix.TOMBSTONE}  # the last entry wins a free home
+    for p, r in last.items():
+        assert compiled[p] == reference[p] == r
+
+
+@pytest.mark.parametrize(
+    "rows, slots, match",
+    [
+        (np.array([5, 1], np.int64), 64, r"rows\[1\] = 1 is not a row number \(2\.\.4294967295\)"),
+        (np.array([5, 2**32], np.int64), 64, r"rows\[1\] = 4294967296 is not a row number"),
+        (np.array([5], np.int64), 64, r"rows has 1 elements, expected 2"),
+        (np.array([5, 6], np.int64), 50, r"index has 192 slots, expected num_shards \* slots_per_region = 3 \* 50"),
+        (np.array([5, 6], np.float64), 64, r"rows must be a 1-D array of 8-byte signed integer"),
+    ],
+)
+def test_the_compiled_insert_refuses_bad_arguments_and_writes_nothing(rows, slots, match):
+    index = np.zeros(192, np.uint32)
+    h = np.array([1 << 40, 7 << 40], np.uint64)
+    with pytest.raises(ValueError, match=match):
+        _kernels.insert(index, h, rows, 3, slots)
+    assert not index.any()
+
+
+def test_the_compiled_insert_stops_at_a_full_region():
+    index = np.full(128, 7, np.uint32)  # both regions full of other rows
+    with pytest.raises(RuntimeError, match="index region is full: invariant broken"):
+        kernels.insert(index, np.array([3 << 40], np.uint64), np.array([9], np.int64), 2, 64)
+
+
+def test_a_store_rebuild_puts_the_most_recent_rows_home_on_both_paths():
+    """Region rebuilds (growth, tombstones) insert oldest first and the compiled insert takes the
+    last entry first, so a sign looked up more recently keeps its home slot on either path."""
+    kernel, numpy_ = _pair(100_000, 2, AdagradConfig())
+    signs = np.arange(1, 3001, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    for s in (kernel, numpy_):
+        s.lookup(signs, 8, True)
+        s.lookup(signs[::2], 8, True)  # half of them more recent
+        table = s._tables[8]
+        table.grow(table.R * 4)  # every region rebuilt
+        rows, hit, slots, home = table.locate(signs)
+        assert hit.all()
+        away = slots != home
+        # a sign away from home has a home slot held by a row at least as recent
+        assert (table.stamps[table.index[home[away]]] >= table.stamps[rows[away]]).all()
+        np.testing.assert_array_equal(s.lookup(signs, 8, False), kernel.lookup(signs, 8, False))
+
+
+@pytest.mark.parametrize("cfg", [SGDConfig(lr=0.1), AdagradConfig(initial_accumulator_value=0.25), AdamConfig()],
+                         ids=["sgd-no-state", "adagrad", "adam"])
+@pytest.mark.parametrize("dim, seed, bounds", [(1, 0, (-0.01, 0.01)), (3, 7, (-1.0, 2.5)), (16, 0, (-0.05, 0.05)),
+                                               (33, 2**40 + 3, (0.0, 1e-3))])
+def test_new_rows_are_written_whole_with_numpys_initial_values_to_the_bit(cfg, dim, seed, bounds):
+    rng = np.random.default_rng(dim)
+    signs = rng.integers(0, 2**64 - 1, 500, dtype=np.uint64, endpoint=True)
+    tables = []
+    for use_kernel in (True, False):
+        store = EmbeddingStore(10_000, 3, use_kernel=use_kernel)
+        store.register_optimizer(cfg)
+        store.lookup(signs[:10], dim, True)  # makes the table
+        table = store._tables[dim]
+        table.rows[:] = np.float32(np.nan)  # whatever was there must be overwritten
+        table._init_rows(np.arange(2, 502), signs, 9, *bounds, seed)
+        tables.append(table)
+    kernel, numpy_ = tables
+    np.testing.assert_array_equal(kernel.rows[2:502].view(np.uint32), numpy_.rows[2:502].view(np.uint32))
+    np.testing.assert_array_equal(kernel.state[2:502], numpy_.state[2:502])
+    np.testing.assert_array_equal(kernel.rows[2:502, :dim], uniform_from_signs(signs, dim, *bounds, seed))
+    assert (kernel.stamps[2:502] == 9).all() and np.array_equal(kernel.signs_of_rows[2:502], signs)
+
+
+@pytest.mark.parametrize(
+    "field, bad, match",
+    [
+        ("at", np.array([2, 1], np.int64), r"at\[1\] = 1 is not a row of the table \(2\.\."),
+        ("at", np.array([2, 10**6], np.int64), r"at\[1\] = 1000000 is not a row of the table"),
+        ("signs", np.array([5], np.uint64), r"signs has 1 elements, expected 2"),
+        ("stamp", 2**32, r"stamp 4294967296 does not fit a uint32"),
+        ("stamp_col", 1, r"cannot hold dim 4, a sign at key_col 5 and a stamp at stamp_col 1"),
+        ("state", np.zeros((3, 4), np.float32), r"state has 3 rows, expected"),
+    ],
+)
+def test_init_rows_refuses_bad_arguments_and_writes_nothing(field, bad, match):
+    _, table, _ = _table()
+    before = table.rows.copy()
+    args = dict(rows=table.rows, state=table.state, at=np.array([2, 3], np.int64), signs=np.array([5, 6], np.uint64),
+                dim=4, key_col=table.key_col, stamp_col=table.stamp_col, stamp=3, lower=-0.1, upper=0.1, seed_salt=0,
+                state_init=0.5)
+    args[field] = bad
+    with pytest.raises(ValueError, match=match):
+        _kernels.init_rows(*args.values())
+    np.testing.assert_array_equal(table.rows, before)

@@ -14,6 +14,10 @@
  *   replay       an NN worker's missed own update stepped onto its copy of a looked-up table
  *                (nn_worker/replay.py): a merge of two sorted sign lists, then the same step.
  *   partition    stable counting sort of a batch (signs and gradients) by internal shard.
+ *   insert       new (hash, row) entries into the index, each in the first free slot of its probe
+ *                sequence (rows' inserts, region rebuilds); index.py's insert is the reference.
+ *   init_rows    new rows written whole: deterministic initial weights (hashing.py's
+ *                uniform_from_signs, to the bit), the sign, the stamp, the optimizer's initial state.
  *   sign_hash    the internal 64-bit hash (tests check it equals persia.hashing.mix64_salted).
  *
  * The table layout and the index rules are those of table.py and index.py (docs/ps-storage.md).
@@ -1192,6 +1196,182 @@ fail:
  * partition and sign_hash
  * ------------------------------------------------------------------------------------------- */
 
+/* ---------------------------------------------------------------------------------------------
+ * insert: new entries into the index
+ * ------------------------------------------------------------------------------------------- */
+
+PyDoc_STRVAR(insert_doc,
+"insert(index, hashes, rows, num_shards, slots_per_region) -> reused\n\n"
+"Put each absent entry (hashes[i], rows[i]) in the first EMPTY or TOMBSTONE slot of its probe\n"
+"sequence (home slot from the hash's high 32 bits, linear, wrapping inside its region). Home\n"
+"slots are claimed first, last entry first, so a free home slot goes to the last entry whose home\n"
+"it is, as in index.py's insert (last writer wins); the rest then probe on. Rows must be\n"
+"distinct. Returns how many tombstones were reused. Every row number is checked before any slot\n"
+"is written; a region without a free slot is a RuntimeError (a broken invariant).");
+
+static PyObject *k_insert(PyObject *self, PyObject *args)
+{
+    PyObject *index, *hashes, *rows;
+    Py_ssize_t num_shards, slots;
+    if (!PyArg_ParseTuple(args, "OOOnn", &index, &hashes, &rows, &num_shards, &slots))
+        return NULL;
+    if (num_shards < 1 || slots < 1) {
+        PyErr_Format(PyExc_ValueError, "num_shards (%zd) and slots_per_region (%zd) must be positive", num_shards,
+                     slots);
+        return NULL;
+    }
+    buf_set s = {0};
+    uint32_t *ix = take(&s, index, "index", K_UINT, 4, 1, 1, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    const uint64_t *h = take(&s, hashes, "hashes", K_UINT, 8, 1, 0, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    const int64_t *r = take(&s, rows, "rows", K_INT, 8, 1, 0, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    const Py_ssize_t n = dim_of(&s, 1, 0);
+    if (expect_len(dim_of(&s, 2, 0), n, "rows", "elements") < 0)
+        goto fail;
+    if (dim_of(&s, 0, 0) % num_shards != 0 || dim_of(&s, 0, 0) / num_shards != slots) {
+        PyErr_Format(PyExc_ValueError, "index has %zd slots, expected num_shards * slots_per_region = %zd * %zd",
+                     dim_of(&s, 0, 0), num_shards, slots);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (r[i] < (int64_t)FIRST_ROW || r[i] > (int64_t)UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is not a row number (%u..%u)", i, (long long)r[i],
+                         FIRST_ROW, UINT32_MAX);
+            goto fail;
+        }
+    }
+    Py_ssize_t reused = 0, full = -1;
+    Py_BEGIN_ALLOW_THREADS
+    const uint64_t total = (uint64_t)num_shards * (uint64_t)slots, m = (uint64_t)slots;
+    /* pass 1, home slots only, last entry first: a free home slot goes to the last entry whose
+     * home it is, never to an entry probing past its own (numpy's first round) */
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        if (i >= DIST)
+            PREFETCH_W(ix + fastrange(h[i - DIST], total));
+        const uint64_t p = fastrange(h[i], total);
+        if (ix[p] <= SLOT_TOMBSTONE) {
+            reused += ix[p] == SLOT_TOMBSTONE;
+            ix[p] = (uint32_t)r[i];
+        }
+    }
+    /* pass 2: the others (their home slot holds another row) probe on from it */
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        uint64_t p = fastrange(h[i], total);
+        if (ix[p] == (uint32_t)r[i])
+            continue;
+        const uint64_t region_end = (p / m + 1) * m;
+        uint64_t step = 0;
+        while (ix[p] > SLOT_TOMBSTONE && step < m) {
+            step++;
+            if (++p == region_end)
+                p -= m;
+        }
+        if (step == m) {
+            full = i;
+            break;
+        }
+        reused += ix[p] == SLOT_TOMBSTONE;
+        ix[p] = (uint32_t)r[i];
+    }
+    Py_END_ALLOW_THREADS
+    if (full >= 0) {
+        PyErr_Format(PyExc_RuntimeError, "index region is full: invariant broken (entry %zd)", full);
+        goto fail;
+    }
+    release_all(&s);
+    return PyLong_FromSsize_t(reused);
+fail:
+    release_all(&s);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * init_rows: new rows with their initial values
+ * ------------------------------------------------------------------------------------------- */
+
+PyDoc_STRVAR(init_rows_doc,
+"init_rows(rows, state, at, signs, dim, key_col, stamp_col, stamp, lower, upper, seed_salt, state_init) -> None\n\n"
+"Write row at[i] whole for signs[i]: weight j = float32(lower + (upper - lower) * u) with u the top\n"
+"53 bits of mix64(mix64(sign ^ seed_salt) ^ j * golden) over 2**53 (hashing.uniform_from_signs, in\n"
+"the same double arithmetic), zeros in the other cells, the sign at key_col, stamp at stamp_col,\n"
+"and every state cell = state_init. Every row number is checked before anything is written.");
+
+static PyObject *k_init_rows(PyObject *self, PyObject *args)
+{
+    PyObject *rows, *state, *at, *signs;
+    Py_ssize_t dim, key_col, stamp_col;
+    unsigned long long stamp, seed_salt;
+    double lower, upper;
+    float state_init;
+    if (!PyArg_ParseTuple(args, "OOOOnnnKddKf", &rows, &state, &at, &signs, &dim, &key_col, &stamp_col, &stamp,
+                          &lower, &upper, &seed_salt, &state_init))
+        return NULL;
+    buf_set s = {0};
+    float *w = take(&s, rows, "rows", K_FLOAT, 4, 2, 1, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    float *st = take(&s, state, "state", K_FLOAT, 4, 2, 1, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    const int64_t *g = take(&s, at, "at", K_INT, 8, 1, 0, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    const uint64_t *q = take(&s, signs, "signs", K_UINT, 8, 1, 0, 0);
+    if (PyErr_Occurred())
+        goto fail;
+    const Py_ssize_t nrows = dim_of(&s, 0, 0), width = dim_of(&s, 0, 1), sw = dim_of(&s, 1, 1);
+    const Py_ssize_t m = dim_of(&s, 2, 0);
+    if (expect_len(dim_of(&s, 3, 0), m, "signs", "elements") < 0 ||
+        expect_len(dim_of(&s, 1, 0), nrows, "state", "rows") < 0)
+        goto fail;
+    if (dim < 1 || key_col < dim || key_col + 2 > width || stamp_col < dim || stamp_col >= width ||
+        (stamp_col >= key_col && stamp_col < key_col + 2)) {
+        PyErr_Format(PyExc_ValueError, "rows of width %zd cannot hold dim %zd, a sign at key_col %zd and a stamp at "
+                     "stamp_col %zd", width, dim, key_col, stamp_col);
+        goto fail;
+    }
+    if (stamp > UINT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "stamp %llu does not fit a uint32", stamp);
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (g[i] < (int64_t)FIRST_ROW || g[i] >= (int64_t)nrows) {
+            PyErr_Format(PyExc_ValueError, "at[%zd] = %lld is not a row of the table (%u..%zd)", i, (long long)g[i],
+                         FIRST_ROW, nrows - 1);
+            goto fail;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const double span = upper - lower, scale = 1.0 / 9007199254740992.0; /* 2**53 */
+    for (Py_ssize_t i = 0; i < m; i++) {
+        float *row = w + (size_t)g[i] * (size_t)width;
+        const uint64_t base = mix64(q[i] ^ seed_salt);
+        for (Py_ssize_t j = 0; j < dim; j++) {
+            const uint64_t hj = mix64(base ^ ((uint64_t)j * 0x9E3779B97F4A7C15ULL));
+            const double u = (double)(hj >> 11) * scale;
+            row[j] = (float)(lower + span * u);
+        }
+        memset(row + dim, 0, (size_t)(width - dim) * sizeof(float));
+        memcpy(row + key_col, &q[i], sizeof q[i]);
+        const uint32_t st32 = (uint32_t)stamp;
+        memcpy(row + stamp_col, &st32, sizeof st32);
+        float *srow = st + (size_t)g[i] * (size_t)sw;
+        for (Py_ssize_t j = 0; j < sw; j++)
+            srow[j] = state_init;
+    }
+    Py_END_ALLOW_THREADS
+    release_all(&s);
+    Py_RETURN_NONE;
+fail:
+    release_all(&s);
+    return NULL;
+}
+
 PyDoc_STRVAR(partition_doc,
 "partition(signs, grads, num_shards, salt, bounds, signs_out, grads_out) -> None\n\n"
 "Stable counting sort of a batch by internal shard: signs_out[bounds[k]:bounds[k+1]] (uint64)\n"
@@ -1294,6 +1474,8 @@ static PyMethodDef methods[] = {
     {"update", (PyCFunction)(void (*)(void))k_update, METH_VARARGS | METH_KEYWORDS, update_doc},
     {"replay", (PyCFunction)(void (*)(void))k_replay, METH_VARARGS | METH_KEYWORDS, replay_doc},
     {"partition", k_partition, METH_VARARGS, partition_doc},
+    {"insert", k_insert, METH_VARARGS, insert_doc},
+    {"init_rows", k_init_rows, METH_VARARGS, init_rows_doc},
     {"sign_hash", k_sign_hash, METH_VARARGS, sign_hash_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -1309,8 +1491,8 @@ PyMODINIT_FUNC PyInit__kernels(void)
     if (m == NULL)
         return NULL;
     /* the interface kernels.py calls (kernels.ABI): 2 = the stamp is a cell of the row, 3 = replay,
-     * 4 = replay's release_gil */
-    if (PyModule_AddIntConstant(m, "PREFETCH_DISTANCE", DIST) < 0 || PyModule_AddIntConstant(m, "ABI", 4) < 0) {
+     * 4 = replay's release_gil, 5 = insert and init_rows */
+    if (PyModule_AddIntConstant(m, "PREFETCH_DISTANCE", DIST) < 0 || PyModule_AddIntConstant(m, "ABI", 5) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -22,6 +22,7 @@ import numpy as np
 
 from persia.embedding_ps import index as ix
 from persia.embedding_ps.optimizers import AdagradConfig, AdamConfig, OptimizerConfig, SGDConfig, optimizer_code
+from persia.hashing import seed_salt
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,8 @@ try:
 except ImportError:  # a source tree without a build: numpy only
     _kernels = None
 
-ABI = 4  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col; 3: replay;
-# 4: replay's release_gil)
+ABI = 5  # the _kernels.c interface this module calls (2: the stamp is a cell of the row, stamp_col; 3: replay;
+# 4: replay's release_gil; 5: insert, init_rows)
 
 
 def stale_reason(module) -> str | None:
@@ -63,6 +64,8 @@ __all__ = [
     "scratch_for",
     "replay",
     "partition",
+    "insert",
+    "init_rows",
     "sign_hash",
     "optimizer_args",
 ]
@@ -122,6 +125,26 @@ def locate(table, signs: np.ndarray, out: np.ndarray | None = None, *, positions
         ix.INTERNAL_SHARD_SALT, hit, out, rows, slots, home, stamp is not None, 0 if stamp is None else int(stamp),
     )
     return rows, hit, slots, home, misses
+
+
+def insert(index: np.ndarray, h: np.ndarray, rows: np.ndarray, num_shards: int, slots: int) -> int:
+    """:func:`persia.embedding_ps.index.insert` (without its duplicate check) compiled: each absent
+    entry (distinct rows) takes the first free slot of its probe sequence. Home slots are claimed
+    first, last entry first, so a free home slot goes to the last entry whose home it is, as in
+    the numpy code's first round; the slots the others end in may differ from numpy's later
+    rounds, and both leave every entry reachable from its home slot. Returns the tombstones
+    reused."""
+    return _kernels.insert(index, _c(h, np.uint64), _c(rows, np.int64), int(num_shards), int(slots))
+
+
+def init_rows(table, rows: np.ndarray, signs: np.ndarray, stamp: int, lower: float, upper: float,
+              seed: int = 0) -> None:
+    """Write new ``rows`` of ``table`` whole in one pass: the initial weights of
+    :func:`persia.hashing.uniform_from_signs` (the same floats), the sign, ``stamp`` and the
+    optimizer's initial state (the numpy code builds a block and scatters it)."""
+    _kernels.init_rows(table.rows, table.state, _c(rows, np.int64), _c(signs, np.uint64), table.dim, table.key_col,
+                       table.stamp_col, int(stamp), float(lower), float(upper), int(seed_salt(seed)),
+                       float(table.state_init))
 
 
 def optimizer_args(cfg: OptimizerConfig) -> dict:
