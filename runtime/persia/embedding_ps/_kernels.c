@@ -296,25 +296,34 @@ static inline void prefetch_span_w(const void *p, size_t bytes)
     PREFETCH_W((const char *)p + bytes - 1);
 }
 
+/* The index array of (num_shards, slots_per_region), borrowed and checked: NULL with ValueError. */
+static uint32_t *index_arg(buf_set *s, PyObject *index, Py_ssize_t num_shards, Py_ssize_t slots, int writable)
+{
+    if (num_shards < 1 || slots < 1) {
+        PyErr_Format(PyExc_ValueError, "num_shards (%zd) and slots_per_region (%zd) must be positive", num_shards,
+                     slots);
+        return NULL;
+    }
+    int ib = s->n;
+    uint32_t *ix = take(s, index, "index", K_UINT, 4, 1, writable, 0);
+    if (ix == NULL)
+        return NULL;
+    if ((Py_ssize_t)(dim_of(s, ib, 0) / num_shards) != slots || dim_of(s, ib, 0) % num_shards != 0) {
+        PyErr_Format(PyExc_ValueError, "index has %zd slots, expected num_shards * slots_per_region = %zd * %zd",
+                     dim_of(s, ib, 0), num_shards, slots);
+        return NULL;
+    }
+    return ix;
+}
+
 /* Check and fill a table_view from (index, rows, num_shards, slots_per_region, key_col, dim). */
 static int table_args(buf_set *s, table_view *t, PyObject *index, PyObject *rows, Py_ssize_t num_shards,
                       Py_ssize_t slots, Py_ssize_t key_col, Py_ssize_t stamp_col, Py_ssize_t dim,
                       unsigned long long salt, int writable)
 {
-    if (num_shards < 1 || slots < 1) {
-        PyErr_Format(PyExc_ValueError, "num_shards (%zd) and slots_per_region (%zd) must be positive", num_shards,
-                     slots);
+    t->index = index_arg(s, index, num_shards, slots, writable);
+    if (t->index == NULL)
         return -1;
-    }
-    int ib = s->n;
-    t->index = take(s, index, "index", K_UINT, 4, 1, writable, 0);
-    if (PyErr_Occurred())
-        return -1;
-    if ((Py_ssize_t)(dim_of(s, ib, 0) / num_shards) != slots || dim_of(s, ib, 0) % num_shards != 0) {
-        PyErr_Format(PyExc_ValueError, "index has %zd slots, expected num_shards * slots_per_region = %zd * %zd",
-                     dim_of(s, ib, 0), num_shards, slots);
-        return -1;
-    }
     int rb = s->n;
     t->rows = take(s, rows, "rows", K_FLOAT, 4, 2, writable, 0);
     if (PyErr_Occurred())
@@ -1215,14 +1224,9 @@ static PyObject *k_insert(PyObject *self, PyObject *args)
     Py_ssize_t num_shards, slots;
     if (!PyArg_ParseTuple(args, "OOOnn", &index, &hashes, &rows, &num_shards, &slots))
         return NULL;
-    if (num_shards < 1 || slots < 1) {
-        PyErr_Format(PyExc_ValueError, "num_shards (%zd) and slots_per_region (%zd) must be positive", num_shards,
-                     slots);
-        return NULL;
-    }
     buf_set s = {0};
-    uint32_t *ix = take(&s, index, "index", K_UINT, 4, 1, 1, 0);
-    if (PyErr_Occurred())
+    uint32_t *ix = index_arg(&s, index, num_shards, slots, 1);
+    if (ix == NULL)
         goto fail;
     const uint64_t *h = take(&s, hashes, "hashes", K_UINT, 8, 1, 0, 0);
     if (PyErr_Occurred())
@@ -1233,11 +1237,6 @@ static PyObject *k_insert(PyObject *self, PyObject *args)
     const Py_ssize_t n = dim_of(&s, 1, 0);
     if (expect_len(dim_of(&s, 2, 0), n, "rows", "elements") < 0)
         goto fail;
-    if (dim_of(&s, 0, 0) % num_shards != 0 || dim_of(&s, 0, 0) / num_shards != slots) {
-        PyErr_Format(PyExc_ValueError, "index has %zd slots, expected num_shards * slots_per_region = %zd * %zd",
-                     dim_of(&s, 0, 0), num_shards, slots);
-        goto fail;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         if (r[i] < (int64_t)FIRST_ROW || r[i] > (int64_t)UINT32_MAX) {
             PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld is not a row number (%u..%u)", i, (long long)r[i],
