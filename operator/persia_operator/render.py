@@ -180,6 +180,9 @@ def role_env(job: PersiaJob, role: str, role_spec: RoleSpec) -> list[dict[str, A
     if role == C.ROLE_NN_WORKER:
         env.append(_env("NPROC_PER_NODE", spec.nn_worker.nproc_per_node))
         env.append(_env("PERSIA_NN_WORKER_ENTRY", spec.persia_env.PERSIA_NN_WORKER_ENTRY or ""))
+        # a CPU of its own for each rank's training thread when the pod's CPUs are its own (the
+        # static CPU manager); elsewhere the runtime places nothing and says why (cpu_placement.py)
+        env.append(_env("PERSIA_TRAINING_CPUS", "auto"))
     if role == C.ROLE_DATALOADER:
         env.append(_env("PERSIA_DATALOADER_ENTRY", spec.persia_env.PERSIA_DATALOADER_ENTRY or ""))
     env.append(_env("PERSIA_METRICS_PORT", C.METRICS_PORT))

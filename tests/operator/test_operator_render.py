@@ -159,9 +159,9 @@ def test_env_contract_order_and_values():
     names = [e["name"] for e in container(nn)["env"]]
     assert names == ["PERSIA_NATS_URL", "PERSIA_JOB_NAME", "PERSIA_GLOBAL_CONFIG", "PERSIA_EMBEDDING_CONFIG",
                      "REPLICA_INDEX", "REPLICA_SIZE", "NPROC_PER_NODE", "PERSIA_NN_WORKER_ENTRY",
-                     "PERSIA_METRICS_PORT", "PERSIA_BIND_ADDRESS", "PERSIA_GRACE_PERIOD_SECONDS",
-                     "PERSIA_JOB_SECRET", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD", "HOME",
-                     "LOG_LEVEL", "SHARED"]  # fmt: skip
+                     "PERSIA_TRAINING_CPUS", "PERSIA_METRICS_PORT", "PERSIA_BIND_ADDRESS",
+                     "PERSIA_GRACE_PERIOD_SECONDS", "PERSIA_JOB_SECRET", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD",
+                     "HOME", "LOG_LEVEL", "SHARED"]  # fmt: skip
     env = env_map(nn)
     assert env["LOG_LEVEL"] == "debug"  # spec.env overrides the contract; the last definition wins
     assert env["SHARED"] == "nn"  # role env overrides spec.env
@@ -175,6 +175,9 @@ def test_env_contract_order_and_values():
     ps = env_map(children[("StatefulSet", "demo-embedding-ps")])
     assert ps["REPLICA_INDEX"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     assert "NPROC_PER_NODE" not in ps and "PERSIA_NN_WORKER_ENTRY" not in ps
+    assert env["PERSIA_TRAINING_CPUS"] == "auto" and "PERSIA_TRAINING_CPUS" not in ps  # NN workers only
+    body["spec"]["nnWorker"]["env"].append({"name": "PERSIA_TRAINING_CPUS", "value": ""})  # a user turns it off
+    assert env_map(by_key(render(make(body)))[("Job", "demo-nn-worker")])["PERSIA_TRAINING_CPUS"] == ""
     assert env_map(children[("Job", "demo-dataloader")])["PERSIA_DATALOADER_ENTRY"] == "/workspace/data_loader.py"
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from persia.errors import PersiaValidationError
 from persia.local import CpuSplit, cpu_split, plan
-from persia.nn_worker.cpu_placement import ENV, CpuPlan, cpu_plan, format_cpus, sweep_due, thread_masks
+from persia.nn_worker.cpu_placement import (ENV, CpuPlan, TrainingPlacement, cgroup_cpu_quota, cpu_plan, format_cpus,
+                                           parse_cfs, parse_cpu_max, sweep_due, thread_masks)
 
 from tests.unit.test_local_plan import args as local_args
 
@@ -50,7 +51,7 @@ def test_no_cpu_left_for_the_others_places_nothing_and_says_so():
 
 @pytest.mark.parametrize("value", ["x", "-1", "0;1", "1.5", "0,"])
 def test_a_bad_setting_is_refused_naming_it(value):
-    with pytest.raises(PersiaValidationError, match=rf"{ENV} must list CPU numbers .*got {value!r}"):
+    with pytest.raises(PersiaValidationError, match=rf"{ENV} must be .auto. or list CPU numbers .*got {value!r}"):
         cpu_plan(value, 0, {0, 1})
 
 
@@ -59,6 +60,55 @@ def test_a_cpu_named_twice_or_a_missing_rank_is_refused():
         cpu_plan("1,1", 0, {0, 1, 2})
     with pytest.raises(PersiaValidationError, match="names 1 CPU.*local rank 1"):
         cpu_plan("0", 1, {0, 1, 2})
+
+
+def test_auto_gives_each_local_rank_one_of_the_lowest_cpus_the_container_owns():
+    placed, why = cpu_plan("auto", 0, {4, 5, 6, 7}, local_world_size=1, cpu_quota=4.0)
+    assert placed == CpuPlan(own=4, rest=frozenset({5, 6, 7}), shared=frozenset({4, 5, 6, 7}))
+    assert why == "training thread on CPU 4, other threads on CPUs 5-7"
+    placed, _ = cpu_plan(" AUTO ", 1, {4, 5, 6, 7}, local_world_size=2, cpu_quota=None)  # no quota: its own
+    assert placed == CpuPlan(own=5, rest=frozenset({6, 7}), shared=frozenset({5, 6, 7}))
+
+
+def test_auto_places_nothing_on_shared_cpus_or_without_a_spare_one():
+    placed, why = cpu_plan("auto", 0, set(range(16)), local_world_size=1, cpu_quota=2.5)  # a Burstable pod
+    assert placed is None and "16 CPUs (0-15) but its CPU quota is 2.5" in why and "static CPU manager" in why
+    placed, why = cpu_plan("auto", 0, {2, 3}, local_world_size=2, cpu_quota=2.0)
+    assert placed is None and "2 CPU(s) (2-3) for 2 local NN rank(s) leave none" in why
+    placed, why = cpu_plan("auto", 0, {3}, cpu_quota=None)
+    assert placed is None and "1 CPU(s) (3) for 1 local NN rank(s)" in why
+    with pytest.raises(PersiaValidationError, match="LOCAL_WORLD_SIZE must be >= 1, got 0"):
+        cpu_plan("auto", 0, {0, 1}, local_world_size=0)
+
+
+def test_cgroup_quotas_read_in_cpus_from_either_cgroup_version(tmp_path):
+    assert parse_cpu_max("max 100000\n") is None and parse_cpu_max("250000 100000") == 2.5
+    assert parse_cfs("-1", "100000") is None and parse_cfs("200000\n", "100000\n") == 2.0
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("300000 100000\n")
+    assert cgroup_cpu_quota(str(v2)) == 3.0
+    v1 = tmp_path / "v1"
+    (v1 / "cpu,cpuacct").mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("150000\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cgroup_cpu_quota(str(v1)) == 1.5
+    assert cgroup_cpu_quota(str(tmp_path / "none")) is None  # nothing readable: no quota known
+    (v2 / "cpu.max").write_text("garbage")
+    assert cgroup_cpu_quota(str(v2)) is None
+
+
+def test_auto_from_the_environment_uses_this_processes_cpus(monkeypatch, caplog):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1, 2})
+    monkeypatch.setattr("persia.nn_worker.cpu_placement.cgroup_cpu_quota", lambda: 3.0)
+    placement = TrainingPlacement.from_env({ENV: "auto", "LOCAL_WORLD_SIZE": "2"}, local_rank=1)
+    assert placement is not None and placement.plan == CpuPlan(own=1, rest=frozenset({2}), shared=frozenset({1, 2}))
+    monkeypatch.setattr("persia.nn_worker.cpu_placement.cgroup_cpu_quota", lambda: 1.0)
+    with caplog.at_level("INFO", logger="persia.nn_worker.cpu_placement"):
+        assert TrainingPlacement.from_env({ENV: "auto"}) is None
+    assert "CPU quota is 1" in caplog.text and all(r.levelname == "INFO" for r in caplog.records)
+    with pytest.raises(PersiaValidationError, match="LOCAL_WORLD_SIZE must be a count, got 'two'"):
+        TrainingPlacement.from_env({ENV: "auto", "LOCAL_WORLD_SIZE": "two"})
 
 
 def test_masks_follow_the_thread_count():
@@ -126,7 +176,7 @@ before, after = [], []
 threading.Thread(target=helper, args=(before,), daemon=True).start()
 assert started.wait(30)
 torch.set_num_threads(1)
-placement = TrainingPlacement.from_env({"PERSIA_TRAINING_CPUS": "0"})
+placement = TrainingPlacement.from_env({"PERSIA_TRAINING_CPUS": os.environ["PLACEMENT_SETTING"]})
 me = threading.get_native_id()
 placement.start(1)
 report = {"one": all_cpus()}
@@ -153,8 +203,11 @@ print(json.dumps(report))
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or not {0, 1} <= os.sched_getaffinity(0),
                     reason="needs CPUs 0 and 1")
-def test_threads_run_where_the_plan_says_and_go_back_after():
-    env = dict(os.environ)
+@pytest.mark.parametrize("setting", ["0", "auto"])
+def test_threads_run_where_the_plan_says_and_go_back_after(setting):
+    if setting == "auto" and (cgroup_cpu_quota() or 2.0) < 2.0:
+        pytest.skip("this container's CPU quota is under 2 CPUs: auto rightly places nothing here")
+    env = dict(os.environ, PLACEMENT_SETTING=setting)
     env.pop(ENV, None)
     proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -10,13 +10,17 @@ it waited 0.04 ms, and the job trained 13 % faster at the median of four interle
 (docs/benchmarks.md, issue 15, session 20).
 This is what the kubelet's static CPU manager does for a Guaranteed pod, one level down.
 
-``PERSIA_TRAINING_CPUS`` lists one CPU per local NN rank (``LOCAL_RANK`` picks its own). While
-the rank trains on one torch thread, its training thread runs on that CPU alone and every other
+``PERSIA_TRAINING_CPUS`` lists one CPU per local NN rank (``LOCAL_RANK`` picks its own), or is
+``auto``: the lowest ``LOCAL_WORLD_SIZE`` of the CPUs the process runs on, one per local rank, when
+they are the container's own (its CPU quota, if any, covers all of them: what the kubelet's static
+CPU manager gives a Guaranteed pod) and at least one is left for the other threads. While the
+rank trains on one torch thread, its training thread runs on that CPU alone and every other
 thread of the process on the CPUs the process was started with, less every rank's training CPU.
 On several torch threads (a count the thread tuner tries, or a fixed one) the training thread and
 its OpenMP team may use all of those CPUs plus its own: placing a team on one CPU would serialize
-it. ``persia-launcher local`` sets it (``--cpu-placement``) and starts every other role on the
-remaining CPUs; elsewhere a user sets it, and the other processes' CPUs are the pod's business.
+it. ``persia-launcher local`` sets CPU numbers (``--cpu-placement``) and starts every other role on
+the remaining CPUs; the operator sets ``auto`` in NN worker pods, whose other processes' CPUs are
+the pod's business.
 
 Threads started after placement inherit their creator's CPUs, so threads the training thread
 starts later (a data loader's dispatcher, a pool's workers) would land on its CPU: the process's
@@ -38,7 +42,9 @@ from persia.nn_worker.openmp_team import on_each_team_thread
 log = logging.getLogger(__name__)
 
 ENV = "PERSIA_TRAINING_CPUS"
+AUTO = "auto"
 SWEEP_EVERY = 1000  # steps, after the first powers of two
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,38 @@ class CpuPlan:
     shared: frozenset[int]
 
 
-def cpu_plan(value: str | None, local_rank: int, allowed: Iterable[int]) -> tuple[CpuPlan | None, str]:
+def auto_cpus(allowed: frozenset[int], local_world_size: int,
+              cpu_quota: float | None) -> tuple[list[int] | None, str]:
+    """``auto``'s training CPUs, one per local rank, and why none (pure): the lowest of ``allowed``
+    when they are the container's own (no CPU quota, or one that covers them all) and at least
+    one is left for the other threads."""
+    n = len(allowed)
+    if local_world_size < 1:
+        raise PersiaValidationError(f"LOCAL_WORLD_SIZE must be >= 1, got {local_world_size}")
+    if cpu_quota is not None and cpu_quota < n:
+        return None, (f"{ENV}={AUTO}: not placed, this process may run on {n} CPUs ({format_cpus(allowed)}) but its "
+                      f"CPU quota is {cpu_quota:g}: they are shared with other containers (a Guaranteed pod gets "
+                      "CPUs of its own from the kubelet's static CPU manager)")
+    if n <= local_world_size:
+        return None, (f"{ENV}={AUTO}: not placed, {n} CPU(s) ({format_cpus(allowed)}) for {local_world_size} local "
+                      "NN rank(s) leave none for the other threads")
+    return sorted(allowed)[:local_world_size], ""
+
+
+def cpu_plan(value: str | None, local_rank: int, allowed: Iterable[int], local_world_size: int = 1,
+             cpu_quota: float | None = None) -> tuple[CpuPlan | None, str]:
     """The plan for ``local_rank`` from the setting's text and the CPUs the process runs on now,
-    and why (pure). No plan when unset or when no CPU would be left for the other threads."""
+    and why (pure). No plan when unset or when no CPU would be left for the other threads.
+    ``auto`` (see :func:`auto_cpus`) needs the number of local ranks and the container's CPU
+    quota in CPUs (None: no quota)."""
     if value is None or not value.strip():
         return None, f"{ENV} unset: the kernel places every thread"
+    allowed = frozenset(allowed)
+    if value.strip().lower() == AUTO:
+        picked, why = auto_cpus(allowed, local_world_size, cpu_quota)
+        if picked is None:
+            return None, why
+        value = ",".join(map(str, picked))
     cpus: list[int] = []
     for item in value.split(","):
         try:
@@ -64,7 +97,8 @@ def cpu_plan(value: str | None, local_rank: int, allowed: Iterable[int]) -> tupl
             cpu = -1
         if cpu < 0:
             raise PersiaValidationError(
-                f"{ENV} must list CPU numbers (>= 0), one per local NN rank, separated by commas; got {value!r}")
+                f"{ENV} must be {AUTO!r} or list CPU numbers (>= 0), one per local NN rank, separated by commas; "
+                f"got {value!r}")
         cpus.append(cpu)
     if len(set(cpus)) != len(cpus):
         raise PersiaValidationError(f"{ENV} names a CPU twice; each local NN rank needs its own: got {value!r}")
@@ -72,7 +106,6 @@ def cpu_plan(value: str | None, local_rank: int, allowed: Iterable[int]) -> tupl
         raise PersiaValidationError(
             f"{ENV}={value!r} names {len(cpus)} CPU(s), one per local NN rank, but this is local rank {local_rank}")
     own = cpus[local_rank]
-    allowed = frozenset(allowed)
     rest = allowed - set(cpus)
     if not rest:
         return None, (f"{ENV}={value!r}: not placed, no CPU would be left for the other threads "
@@ -118,6 +151,40 @@ def _process_threads() -> list[int]:
         return [threading.get_native_id()]
 
 
+def parse_cpu_max(text: str) -> float | None:
+    """cgroup v2 ``cpu.max`` (``"max 100000"`` or ``"<quota> <period>"``) as CPUs, None for no
+    quota (pure)."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    quota, period = int(parts[0]), int(parts[1])
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def parse_cfs(quota_text: str, period_text: str) -> float | None:
+    """cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` as CPUs, None for no quota (-1)."""
+    quota, period = int(quota_text.strip()), int(period_text.strip())
+    return quota / period if quota > 0 and period > 0 else None
+
+
+def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
+    """This container's CPU quota in CPUs (cgroup v2, else v1), None when it has none or it
+    cannot be read (then ``auto`` places as if the CPUs were its own)."""
+    try:
+        with open(os.path.join(root, "cpu.max")) as f:
+            return parse_cpu_max(f.read())
+    except (OSError, ValueError):
+        pass
+    for sub in ("cpu", "cpu,cpuacct"):
+        try:
+            with open(os.path.join(root, sub, "cpu.cfs_quota_us")) as q, \
+                    open(os.path.join(root, sub, "cpu.cfs_period_us")) as p:
+                return parse_cfs(q.read(), p.read())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 class TrainingPlacement:
     """Applies a :class:`CpuPlan` to this process's threads; made on the training thread, which
     must call every method. :meth:`stop` puts every thread back on the CPUs the process started
@@ -138,10 +205,18 @@ class TrainingPlacement:
             if environ.get(ENV):
                 log.warning("CPU placement: %s is set, but this platform cannot set a thread's CPUs", ENV)
             return None
-        plan, why = cpu_plan(environ.get(ENV), local_rank, os.sched_getaffinity(0))
+        value = environ.get(ENV)
+        auto = (value or "").strip().lower() == AUTO
+        try:
+            local_world_size = int(environ.get("LOCAL_WORLD_SIZE") or 1)
+        except ValueError:
+            raise PersiaValidationError(
+                f"LOCAL_WORLD_SIZE must be a count, got {environ.get('LOCAL_WORLD_SIZE')!r}") from None
+        plan, why = cpu_plan(value, local_rank, os.sched_getaffinity(0), local_world_size,
+                             cgroup_cpu_quota() if auto else None)
         if plan is None:
-            if environ.get(ENV):
-                log.warning("CPU placement: %s", why)
+            if value:  # auto on a pod without CPUs of its own is expected; a list that fits nothing is not
+                (log.info if auto else log.warning)("CPU placement: %s", why)
             return None
         return cls(plan, why)
 
