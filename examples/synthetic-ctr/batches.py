@@ -10,8 +10,9 @@ from synthetic_ctr.schema import SLOT_NAMES
 
 
 def to_persia_batch(batch: Batch, requires_grad: bool) -> PersiaBatch:
+    by_slot = np.ascontiguousarray(batch.ids.T)  # one transposing copy; each slot's IDs a contiguous row of it
     return PersiaBatch(
-        [IDTypeFeatureWithSingleID(name, np.ascontiguousarray(batch.ids[:, s])) for s, name in enumerate(SLOT_NAMES)],
+        [IDTypeFeatureWithSingleID(name, by_slot[s]) for s, name in enumerate(SLOT_NAMES)],
         non_id_type_features=[NonIDTypeFeature(batch.dense, name="dense")],
         labels=[Label(batch.label, name="click")],
         requires_grad=requires_grad,

@@ -188,6 +188,22 @@ def test_single_id_csr_is_trivial():
     assert offsets.dtype == np.int64
 
 
+def test_the_wire_record_takes_single_id_values_as_they_are_and_offsets_only_of_the_others():
+    from persia.data_loader.wire import id_features_to_wire
+    from persia.wire import ids as packed
+
+    by_slot = np.ascontiguousarray(np.arange(12, dtype=np.uint64).reshape(4, 3).T)  # rows of a transposed block
+    batch = PersiaBatch([IDTypeFeatureWithSingleID("a", by_slot[0]), lil_feature("b", 4),
+                         IDTypeFeatureWithSingleID("c", by_slot[2])], requires_grad=False)
+    record = id_features_to_wire(batch)
+    assert record["single"].tolist() == [True, False, True]
+    assert record["offsets"].tolist() == [lil_feature("b", 4).to_csr()[1].tolist()]
+    unpacked = packed.unpack(record, 4)
+    assert unpacked.feature(0)[0].tolist() == [0, 3, 6, 9] and unpacked.feature(0)[1] is None
+    assert unpacked.feature(2)[0].tolist() == [2, 5, 8, 11]
+    assert unpacked.feature(1)[0].tolist() == lil_feature("b", 4).to_csr()[0].tolist()
+
+
 @pytest.mark.parametrize(
     "data, error, message",
     [

@@ -336,8 +336,12 @@ class IDTypeFeatureWithSingleID:
             raise PersiaDataError(f"IDTypeFeatureWithSingleID {self.name!r}: a 0-d array has no batch size")
         return int(self.data.shape[0])
 
+    def id_values(self) -> np.ndarray:
+        """The IDs as one 1-D uint64 array (no offsets: one per sample)."""
+        return _as_ids(self.name, self.data).reshape(-1)
+
     def to_csr(self) -> Tuple[np.ndarray, np.ndarray]:
-        values = _as_ids(self.name, self.data).reshape(-1)
+        values = self.id_values()
         return values, np.arange(values.size + 1, dtype=_OFFSET_DTYPE)
 
     def __repr__(self) -> str:

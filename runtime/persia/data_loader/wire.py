@@ -13,9 +13,13 @@ def id_features_to_wire(batch: PersiaBatch) -> dict:
     array for all, offsets only for features that may hold other than one ID per sample."""
     values, offsets = [], []
     for f in batch.id_type_features:
-        v, o = f.to_csr()
-        values.append(v)
-        offsets.append(None if isinstance(f, IDTypeFeatureWithSingleID) else o)
+        if isinstance(f, IDTypeFeatureWithSingleID):  # one ID per sample: no offsets to build
+            values.append(f.id_values())
+            offsets.append(None)
+        else:
+            v, o = f.to_csr()
+            values.append(v)
+            offsets.append(o)
     return ids.pack([f.name for f in batch.id_type_features], values, offsets, batch.batch_size)
 
 
