@@ -454,7 +454,7 @@ def test_a_store_rebuild_puts_the_most_recent_rows_home_on_both_paths():
         away = slots != home
         # a sign away from home has a home slot held by a row at least as recent
         assert (table.stamps[table.index[home[away]]] >= table.stamps[rows[away]]).all()
-        np.testing.assert_array_equal(s.lookup(signs, 8, False), kernel.lookup(signs, 8, False))
+    np.testing.assert_array_equal(numpy_.lookup(signs, 8, False), kernel.lookup(signs, 8, False))
 
 
 @pytest.mark.parametrize("cfg", [SGDConfig(lr=0.1), AdagradConfig(initial_accumulator_value=0.25), AdamConfig()],

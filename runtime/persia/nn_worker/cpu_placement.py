@@ -162,9 +162,9 @@ def parse_cpu_max(text: str) -> float | None:
 
 
 def parse_cfs(quota_text: str, period_text: str) -> float | None:
-    """cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` as CPUs, None for no quota (-1)."""
-    quota, period = int(quota_text.strip()), int(period_text.strip())
-    return quota / period if quota > 0 and period > 0 else None
+    """cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` as CPUs, None for no quota (-1):
+    the same pair as v2's ``cpu.max``, in two files."""
+    return parse_cpu_max(f"{quota_text.strip()} {period_text.strip()}")
 
 
 def cgroup_cpu_quota(root: str = CGROUP_ROOT) -> float | None:
