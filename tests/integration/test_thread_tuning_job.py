@@ -122,7 +122,7 @@ def set_threads(n):
     state["threads"] = n
     state["applied"].append(n)
 
-tuner = ThreadTuner(TuningPlan((2, 1), start_step=2, calibration_steps=2, rounds=1), set_threads,
+tuner = ThreadTuner(TuningPlan((2, 1), start_step=2, calibration_steps=2, min_block_s=0.3, rounds=1), set_threads,
                     lambda: state["now"], agree=max_over_ranks(None))
 while tuner.measuring:
     state["now"] += per_threads[state["threads"]]

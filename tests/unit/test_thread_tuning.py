@@ -10,6 +10,7 @@ from persia.nn_worker.thread_tuning import (
     block_steps,
     candidates_for,
     choose,
+    clearly_slower,
     decisive,
     describe,
 )
@@ -134,6 +135,29 @@ def test_a_count_clearly_slower_in_its_first_block_is_dropped_at_once():
     sim.run(tuner, 3 + 2 + 2 * 3)
     assert tuner.block == 3 and tuner.chosen == 2
     assert sim.applied == [2, 1, 2]
+
+
+def test_one_short_block_does_not_drop_a_count():
+    """A 157-step MLP 400 run (10 ms steps, 0.1 s blocks): a neighbour's burst made one thread's
+    first block 25% slower than two threads' (12.1 against 9.7 ms), and the rule that drops a
+    count after one block chose two threads, where one is faster in every later block. A block that
+    short waits for its round."""
+    plan = TuningPlan((2, 1))
+    assert block_steps(0.0097, plan) == 11
+    assert not clearly_slower(0.0122, 0.0097, 11, plan)  # 0.13 s: too short to decide alone
+    assert clearly_slower(0.0122, 0.0097, 30, plan)  # the same loss over 0.36 s
+    assert clearly_slower(0.290, 0.180, 3, plan)  # the FFNN: 3 steps, 0.87 s
+    assert not clearly_slower(0.200, 0.180, 3, plan)  # 11%: not by the margin
+    assert not clearly_slower(0.080, 0.180, 3, plan)  # faster
+
+    burst = {26 + i: 0.0035 for i in range(11)}  # the first one-thread block (steps 26-36): +3.5 ms a step
+    sim = Sim({2: 0.0097, 1: 0.0090}, pauses=burst)
+    tuner = _tuner(sim, TuningPlan((2, 1), start_step=10, calibration_steps=5, rounds=2))
+    sim.run(tuner, 15)
+    assert tuner.block == 11
+    sim.run(tuner, 8 * 11)
+    assert tuner.samples[1][0] > tuner.samples[2][0] * 1.25  # it did lose its first block clearly...
+    assert tuner.chosen == 1 and len(tuner.samples[1]) == 4  # ...and was measured on, and won
 
 
 def test_one_decisive_round_is_enough():

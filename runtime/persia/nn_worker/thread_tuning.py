@@ -34,7 +34,10 @@ class TuningPlan:
     candidates: tuple[int, ...]
     start_step: int = 10  # first steps allocate, build caches and run the synchronous warm-up
     calibration_steps: int = 5
-    min_block_s: float = 0.3  # a block long enough that one slow step does not decide it
+    # a block's least length; one slow step cannot decide it (``outlier_factor`` leaves it out), and
+    # a short run still finishes measuring: 0.3 s blocks kept a 157-step MLP 400 run (10 ms steps)
+    # measuring to its end, half of it at the slower count
+    min_block_s: float = 0.1
     min_block_steps: int = 3
     rounds: int = 2  # each candidate runs 2 * rounds blocks
     tie_margin: float = 0.03
@@ -44,6 +47,10 @@ class TuningPlan:
     # a count whose first block is this much slower than the start count's first block is dropped
     # at once: the FFNN at 1 thread (37% slower) costs 3 steps of its measurement, not 6
     clear_loss_margin: float = 0.25
+    # ... if that block lasted this long: a neighbour's burst can make a 0.1 s block of 10 ms steps
+    # 25% slower (it did), so short blocks wait for their round; a large model's blocks (3 steps of
+    # 0.2 s) are long anyway, and there each further block costs most
+    clear_loss_min_block_s: float = 0.3
     # measure again this many steps after a choice (None: never); each time costs about 2% of the
     # steps, half of them at the other count
     remeasure_steps: int | None = 5000
@@ -115,6 +122,14 @@ def decisive(samples: dict[int, list[float]], plan: TuningPlan) -> bool:
     best = min(samples, key=lambda c: statistics.median(samples[c]))
     worst_of_best = max(samples[best])
     return all(min(v) >= worst_of_best * (1 + plan.decisive_margin) for c, v in samples.items() if c != best)
+
+
+def clearly_slower(first_s: float, start_first_s: float, steps: int, plan: TuningPlan) -> bool:
+    """Whether a count whose first block took ``first_s`` a step (``steps`` steps) lost clearly
+    to the start count's first block (``start_first_s`` a step): by ``clear_loss_margin``, in a
+    block at least ``clear_loss_min_block_s`` long."""
+    return (first_s * steps >= plan.clear_loss_min_block_s
+            and first_s >= start_first_s * (1 + plan.clear_loss_margin))
 
 
 def describe(samples: dict[int, list[float]], chosen: int) -> str:
@@ -242,12 +257,13 @@ class ThreadTuner:
             self._log(describe(self.samples, self.chosen))
 
     def _clearly_slower(self, count: int) -> bool:
-        """``count``'s first block lost to the start count's first block by ``clear_loss_margin``,
-        on every rank."""
+        """``count``'s first block, ``clear_loss_min_block_s`` long or more, lost to the start
+        count's first block by ``clear_loss_margin``, on every rank."""
         start = self.plan.candidates[0]
         if count == start or len(self.samples[count]) != 1 or not self.samples[start]:
             return False
-        return self._everywhere(self.samples[count][0] >= self.samples[start][0] * (1 + self.plan.clear_loss_margin))
+        first = self.samples[count][0]
+        return self._everywhere(clearly_slower(first, self.samples[start][0], self.block, self.plan))
 
     def _everywhere(self, flag: bool) -> bool:
         """``flag`` holds on every rank (the maximum of 0 where it holds, 1 where not)."""
