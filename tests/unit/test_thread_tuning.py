@@ -138,10 +138,10 @@ def test_a_count_clearly_slower_in_its_first_block_is_dropped_at_once():
 
 
 def test_one_short_block_does_not_drop_a_count():
-    """A 157-step MLP 400 run (10 ms steps, 0.1 s blocks): a neighbour's burst made one thread's
-    first block 25% slower than two threads' (12.1 against 9.7 ms), and the rule that drops a
-    count after one block chose two threads, where one is faster in every later block. A block that
-    short waits for its round."""
+    """A 157-step MLP 400 run (10 ms steps, 0.1 s blocks): one thread's first block ran 25% slower
+    than two threads' (12.1 against 9.7 ms), and the rule that drops a count after one block chose
+    two threads, where one thread is the faster in every other run. A block that short waits for
+    its round."""
     plan = TuningPlan((2, 1))
     assert block_steps(0.0097, plan) == 11
     assert not clearly_slower(0.0122, 0.0097, 11, plan)  # 0.13 s: too short to decide alone

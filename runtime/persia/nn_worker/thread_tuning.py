@@ -47,9 +47,9 @@ class TuningPlan:
     # a count whose first block is this much slower than the start count's first block is dropped
     # at once: the FFNN at 1 thread (37% slower) costs 3 steps of its measurement, not 6
     clear_loss_margin: float = 0.25
-    # ... if that block lasted this long: a neighbour's burst can make a 0.1 s block of 10 ms steps
-    # 25% slower (it did), so short blocks wait for their round; a large model's blocks (3 steps of
-    # 0.2 s) are long anyway, and there each further block costs most
+    # ... if that block lasted this long. A 0.1 s block of 10 ms steps at the faster count once ran
+    # 25% slow (12.1 against 9.7 ms, a latency run's), so short blocks wait for their round; a large
+    # model's blocks (3 steps of 0.2 s) are long anyway, and there each further block costs most
     clear_loss_min_block_s: float = 0.3
     # measure again this many steps after a choice (None: never); each time costs about 2% of the
     # steps, half of them at the other count
