@@ -487,7 +487,8 @@ def test_new_rows_are_written_whole_with_numpys_initial_values_to_the_bit(cfg, d
         ("at", np.array([2, 10**6], np.int64), r"at\[1\] = 1000000 is not a row of the table"),
         ("signs", np.array([5], np.uint64), r"signs has 1 elements, expected 2"),
         ("stamp", 2**32, r"stamp 4294967296 does not fit a uint32"),
-        ("stamp_col", 1, r"cannot hold dim 4, a sign at key_col 5 and a stamp at stamp_col 1"),
+        ("stamp_col", 1, r"stamp_col 1 must be a cell of the row \(width \d+\) past the 4 weights"),
+        ("key_col", 2, r"cannot hold dim 4 and a sign at column key_col 2"),
         ("state", np.zeros((3, 4), np.float32), r"state has 3 rows, expected"),
     ],
 )

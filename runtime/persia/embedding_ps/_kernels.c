@@ -316,6 +316,25 @@ static uint32_t *index_arg(buf_set *s, PyObject *index, Py_ssize_t num_shards, P
     return ix;
 }
 
+/* A row of `width` float cells holds dim weights, then the sign (two cells at key_col) and the
+ * stamp (one cell at stamp_col) past them: -1 with ValueError if it cannot. */
+static int row_layout_args(Py_ssize_t width, Py_ssize_t dim, Py_ssize_t key_col, Py_ssize_t stamp_col)
+{
+    if (dim < 1 || key_col < dim || key_col + 2 > width) {
+        PyErr_Format(PyExc_ValueError, "rows of width %zd cannot hold dim %zd and a sign at column key_col %zd",
+                     width, dim, key_col);
+        return -1;
+    }
+    /* the stamp cell: inside the row, clear of the weights and of the sign */
+    if (stamp_col < 0 || stamp_col >= width || stamp_col < dim || (stamp_col >= key_col && stamp_col < key_col + 2)) {
+        PyErr_Format(PyExc_ValueError,
+                     "stamp_col %zd must be a cell of the row (width %zd) past the %zd weights and off the sign at "
+                     "key_col %zd", stamp_col, width, dim, key_col);
+        return -1;
+    }
+    return 0;
+}
+
 /* Check and fill a table_view from (index, rows, num_shards, slots_per_region, key_col, dim). */
 static int table_args(buf_set *s, table_view *t, PyObject *index, PyObject *rows, Py_ssize_t num_shards,
                       Py_ssize_t slots, Py_ssize_t key_col, Py_ssize_t stamp_col, Py_ssize_t dim,
@@ -330,19 +349,8 @@ static int table_args(buf_set *s, table_view *t, PyObject *index, PyObject *rows
         return -1;
     t->nrows = (uint64_t)dim_of(s, rb, 0);
     t->width = dim_of(s, rb, 1);
-    if (dim < 1 || key_col < dim || key_col + 2 > t->width) {
-        PyErr_Format(PyExc_ValueError, "rows of width %zd cannot hold dim %zd and a sign at column key_col %zd",
-                     t->width, dim, key_col);
+    if (row_layout_args(t->width, dim, key_col, stamp_col) < 0)
         return -1;
-    }
-    /* the stamp cell: inside the row, clear of the weights and of the sign */
-    if (stamp_col < 0 || stamp_col >= t->width || stamp_col < dim ||
-        (stamp_col >= key_col && stamp_col < key_col + 2)) {
-        PyErr_Format(PyExc_ValueError,
-                     "stamp_col %zd must be a cell of the row (width %zd) past the %zd weights and off the sign at "
-                     "key_col %zd", stamp_col, t->width, dim, key_col);
-        return -1;
-    }
     if (t->nrows > (uint64_t)UINT32_MAX + 1) {
         PyErr_Format(PyExc_ValueError, "rows has %zd rows, more than uint32 row numbers address",
                      dim_of(s, rb, 0));
@@ -1328,12 +1336,8 @@ static PyObject *k_init_rows(PyObject *self, PyObject *args)
     if (expect_len(dim_of(&s, 3, 0), m, "signs", "elements") < 0 ||
         expect_len(dim_of(&s, 1, 0), nrows, "state", "rows") < 0)
         goto fail;
-    if (dim < 1 || key_col < dim || key_col + 2 > width || stamp_col < dim || stamp_col >= width ||
-        (stamp_col >= key_col && stamp_col < key_col + 2)) {
-        PyErr_Format(PyExc_ValueError, "rows of width %zd cannot hold dim %zd, a sign at key_col %zd and a stamp at "
-                     "stamp_col %zd", width, dim, key_col, stamp_col);
+    if (row_layout_args(width, dim, key_col, stamp_col) < 0)
         goto fail;
-    }
     if (stamp > UINT32_MAX) {
         PyErr_Format(PyExc_ValueError, "stamp %llu does not fit a uint32", stamp);
         goto fail;
