@@ -17,6 +17,7 @@ import traceback
 from persia import env
 from persia.allocator import tune_allocator
 from persia.errors import PersiaValidationError
+from persia.thread_names import name_os_threads
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def _role_name() -> str:
 class BaseCtx:
     def __init__(self, threadpool_worker_size: int = 10, device_id: int | None = None):
         tune_allocator()  # scripts: an exec'd process starts with glibc's defaults again (persia.allocator)
+        name_os_threads()  # before the context starts its threads (persia.thread_names)
         if not logging.getLogger().handlers:  # a user script that set up no logging: PERSIA's default
             from persia.logger import setup_logging
 

@@ -15,6 +15,7 @@ import time
 from persia.allocator import tune_allocator
 from persia.env import grace_period_s
 from persia.procs import spawn, stop_in_order
+from persia.thread_names import name_os_threads
 
 log = logging.getLogger("persia.launcher")
 
@@ -352,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         tune_allocator()  # before the role allocates its first batch (persia.allocator)
     except ValueError as exc:
         raise SystemExit(f"persia-launcher: {exc}") from None
+    name_os_threads()  # every thread the role starts, named for top -H and /proc (persia.thread_names)
     if os.environ.get("PERSIA_LAUNCHER_VERBOSE") == "1":
         print(f"persia-launcher {args}", file=sys.stderr)
     handlers = {

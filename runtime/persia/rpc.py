@@ -104,7 +104,8 @@ def serve(
             handler, request_deserializer=_unpack_request, response_serializer=_pack
         )
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="persia-grpc"),
+                         options=CHANNEL_OPTIONS)
     server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler(service, {n: wrap(n, f) for n, f in methods.items()})]
     )

@@ -58,7 +58,7 @@ class EmbeddingCheckpoints:
     def _ps_each(self, method: str, payload: Any, timeout: float = 3600.0) -> list[Any]:
         """``method`` on every PS replica; every answer or exception, in replica order (waits for all)."""
         n = self._ps_count()
-        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+        with ThreadPoolExecutor(max_workers=min(n, 16), thread_name_prefix="persia-ps-each") as pool:
             futs = [pool.submit(self.bus.request_retry, subject("ps", method, i), payload, deadline_s=timeout,
                                 timeout=timeout, retry_busy=True, what=f"PS {i} {method}") for i in range(n)]
             out = []

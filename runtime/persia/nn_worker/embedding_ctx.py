@@ -151,7 +151,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _ps_all(self, method: str, payload: Any, timeout: float = 3600.0) -> list[Any]:
         """Call ``method`` on every PS replica in parallel; raise the first failure."""
         n = self._ps_count()
-        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+        with ThreadPoolExecutor(max_workers=min(n, 16), thread_name_prefix="persia-ps-all") as pool:
             futs = [
                 pool.submit(self.bus.request_retry, subject("ps", method, i), payload,
                             deadline_s=timeout, timeout=timeout, retry_busy=True, what=f"PS {i} {method}")

@@ -65,7 +65,8 @@ def start_grpc(server: Any, host: str, port: int, tls: GrpcTls | None = None):
             handler, request_deserializer=rpc._unpack_request, response_serializer=rpc._pack)
 
     tls = GrpcTls.from_env() if tls is None else tls
-    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=max(8, server.config.workers * 4)),
+    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=max(8, server.config.workers * 4),
+                                                 thread_name_prefix="serve-grpc"),
                               options=rpc.CHANNEL_OPTIONS)
     grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
         SERVICE, {n: wrap(n, fn, schema) for n, (fn, schema) in methods.items()})])
