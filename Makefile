@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo serve-demo test test-scenarios test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-rpc bench-gpu crds chart lint images images-check images-lock e2e e2e-kind clean
+.PHONY: venv demo serve-demo test test-scenarios test-faults test-fast bench bench-ps bench-smoke bench-latency bench-path bench-threads bench-rpc bench-gpu crds chart lint images images-check images-lock e2e e2e-kind clean
 
 $(STAMP): pyproject.toml setup.py runtime/persia/embedding_ps/_kernels.c runtime/persia/_unique.c runtime/persia/_rows.c
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,10 @@ bench: $(BENCH_STAMP) bench-ps
 ## Only the CPU per training sample of each role (bench/path_cpu.py; bench/results/path_cpu.json).
 bench-path: $(STAMP)
 	$(PY) -m bench.path_cpu
+
+## Per role and per thread of one running job: CPU, waits for a CPU, sleeps per batch (bench/threads.py).
+bench-threads: $(STAMP)
+	$(PY) -m bench.threads
 
 ## On a machine with a CUDA GPU: the NN worker on the GPU against torch on the GPU (bench/gpu_bench.py).
 bench-gpu: $(STAMP)

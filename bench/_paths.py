@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -48,3 +49,10 @@ def child_env(extra: dict[str, str] | None = None, shared_cores: bool = True) ->
 
 
 ensure_example_importable()
+
+
+def write_results(doc: dict, path: Path) -> Path:
+    """A benchmark's JSON results at ``path`` (its folder made); the path, to print."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path

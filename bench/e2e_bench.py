@@ -243,6 +243,14 @@ PROFILES: dict[str, Profile] = {
 }
 
 
+def profile_data(results_dir: Path, profile: str = "full") -> Path:
+    """The synthetic data of a profile under ``results_dir``, generated unless it is there (the
+    generator is deterministic); for the tools that run one part of the benchmark."""
+    data_dir = results_dir / "data" / PROFILES[profile].name
+    generate_dataset(data_dir, PROFILES[profile].data)
+    return data_dir
+
+
 def _nn_threads(s: SystemPlan, profile: Profile) -> int | None:
     if not s.system.startswith("persia"):
         return None

@@ -19,16 +19,14 @@ other moved outside training.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench._paths import RESULTS_DIR
+from bench._paths import RESULTS_DIR, write_results
 from bench.persia_local import find_launcher, launcher_unavailable_reason
 from bench.spec import RunSpec
-from synthetic_ctr.generate import generate_dataset
 
 EMBEDDING_PATH_ROLES = ("data-loader", "embedding-worker", "ps", "nats")
 
@@ -113,15 +111,12 @@ def measure_pairs(launcher: str, data_dir: Path, small_rows: int, large_rows: in
 def measure(system: str, staleness: int | None, small_rows: int, large_rows: int, pairs: int,
             nn_threads: int | str, batch_size: int, results_dir: Path, log=print, colocate_ps: bool = False,
             mlp: str = "mlp400") -> dict[str, Any]:
-    from bench.e2e_bench import PROFILES
+    from bench.e2e_bench import profile_data
 
     reason = launcher_unavailable_reason()
     if reason:
         raise SystemExit(f"cannot measure our system: {reason}")
-    profile = PROFILES["full"]
-    data_dir = results_dir / "data" / profile.name
-    generate_dataset(data_dir, profile.data)
-    return measure_pairs(find_launcher(), data_dir, small_rows, large_rows, pairs, results_dir / "logs",
+    return measure_pairs(find_launcher(), profile_data(results_dir), small_rows, large_rows, pairs, results_dir / "logs",
                          system, staleness, nn_threads, batch_size, log, colocate_ps, mlp)
 
 
@@ -145,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--pairs must be >= 1, got {a.pairs}")
     doc = measure(a.system, a.staleness, a.small_rows, a.large_rows, a.pairs, a.nn_threads, a.batch_size,
                   a.results_dir, colocate_ps=a.colocate_ps, mlp=a.mlp)
-    out = a.output or a.results_dir / "path_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    out = write_results(doc, a.output or a.results_dir / "path_cpu.json")
     med = doc["median_us_per_sample"]
     print("µs CPU per training sample (median of pairs): " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
     if doc["median_training_us_per_sample"]:

@@ -110,10 +110,16 @@ def launcher_argv(
     ]  # fmt: skip
 
 
+def with_role_env(argv: list[str], env: dict[str, str]) -> list[str]:
+    """``persia-launcher local``'s argv with ``--env KEY=VALUE`` for every role (pure)."""
+    at = argv.index("local") + 1
+    return argv[:at] + [word for key, value in env.items() for word in ("--env", f"{key}={value}")] + argv[at:]
+
+
 def synthetic_command(spec: RunSpec, launcher: str) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one run of our system on the synthetic CTR data."""
-    argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, nn_threads=spec.nn_threads,
-                         colocate_ps=spec.colocate_ps, cpu_placement=spec.cpu_placement)
+    argv = launcher_argv(launcher, EXAMPLE_DIR, spec.num_ps, spec.num_embedding_workers, spec.num_nn_workers,
+                         nn_threads=spec.nn_threads, colocate_ps=spec.colocate_ps, cpu_placement=spec.cpu_placement)
     env = example_settings(spec).to_env()
     env["PERSIA_REPLAY_OWN_UPDATES"] = "1" if spec.replay else "0"
     if spec.staleness_warmup_steps is not None:

@@ -15,14 +15,15 @@ DEFAULT_HYBRID_STALENESS = 10
 
 def persia_label(system: str, staleness: int, num_ps: int = 1, num_embedding_workers: int = 1,
                  nn_threads: int | str | None = None, colocate_ps: bool = False, replay: bool = True,
-                 cpu_placement: str = "auto") -> str:
+                 cpu_placement: str = "auto", num_nn_workers: int = 1) -> str:
     """Name of one configuration of our system; the synchronous reference (staleness 1) has none."""
     bound = "" if system == "persia-sync" else f" st={staleness}"
     threads = f" nn-threads={nn_threads}" if nn_threads else ""
     colocated = " colocated" if colocate_ps else ""
     stale = "" if replay or system == "persia-sync" else " no-replay"
     placement = "" if cpu_placement == "auto" else f" placement={cpu_placement}"
-    return f"{system}{bound}{stale} ps={num_ps} ew={num_embedding_workers}{colocated}{threads}{placement}"
+    ranks = f" nn={num_nn_workers}" if num_nn_workers != 1 else ""
+    return f"{system}{bound}{stale} ps={num_ps} ew={num_embedding_workers}{ranks}{colocated}{threads}{placement}"
 
 
 class RunSpec(BaseModel):
@@ -52,6 +53,9 @@ class RunSpec(BaseModel):
     staleness_warmup_steps: int | None = Field(default=None, ge=0)
     num_ps: int = Field(default=1, ge=1)
     num_embedding_workers: int = Field(default=1, ge=1)
+    # NN worker ranks (persia-launcher local --num-nn-workers; DDP over gloo on the CPU): each
+    # trains batches of batch_size, so the global batch is num_nn_workers x batch_size
+    num_nn_workers: int = Field(default=1, ge=1)
     # each embedding worker runs its PS replica in its own process (persia-launcher local --colocate-ps)
     colocate_ps: bool = False
     # the NN worker re-applies its own updates a lookup missed (PERSIA_REPLAY_OWN_UPDATES, the
@@ -88,6 +92,7 @@ class RunSpec(BaseModel):
         where = (" cuda" if self.device == "cuda" else "") + (" amp" if self.mixed_precision else "")
         if self.system.startswith("persia"):
             return persia_label(self.system, self.effective_staleness, self.num_ps, self.num_embedding_workers,
-                                self.nn_threads, self.colocate_ps, self.replay, self.cpu_placement) + where
+                                self.nn_threads, self.colocate_ps, self.replay, self.cpu_placement,
+                                self.num_nn_workers) + where
         fused = " fused" if self.fused else ""
         return f"{self.system}{fused} threads={self.threads}{where}"
