@@ -313,8 +313,8 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
         "there for throughput (391 steps); the FFNN, about 25 times more compute per sample, trains on fewer "
         "rows and is there for throughput only. The configurations a target is computed from run every "
         "repeat; those that give context run once, as the *ok runs* column shows: the PS-formula "
-        "baseline where the fused one is always the faster (batch 256, the FFNN; at batch 1024 either "
-        "can be), TorchRec, stale reads (`no-replay`) and the "
+        "baseline where the fused one is always the faster (the FFNN; at batch 256 and 1024 either can "
+        "be), TorchRec, stale reads (`no-replay`) and the "
         "colocated PS, and the path CPU of the other throughput targets. "
         + ("" if (doc.get("path_cpu_colocated") or {}).get("status") == "ok" else
            "The colocated PS's path CPU is not part of the profile (`python -m bench.path_cpu --colocate-ps` "
