@@ -92,7 +92,7 @@ def summarize(variants: list[Variant], results: dict[str, list[dict | None]]) ->
         aucs = [r["auc"] for r in runs if r and r.get("auc") is not None]
         out.append({
             "variant": v.name, "ok": len(sps), "runs": len(runs),
-            "samples_per_sec": [round(x) for x in [r["samples_per_sec"] if r else 0 for r in runs]],
+            "samples_per_sec": [round(r["samples_per_sec"]) if r else None for r in runs],
             "median": statistics.median(sps) if sps else None,
             "min": min(sps) if sps else None, "max": max(sps) if sps else None,
             "ratio_to_first": statistics.median(ratios) if ratios else None,
@@ -123,10 +123,10 @@ def run(base: RunSpec, variants: list[Variant], rounds: int, logs_dir: Path, log
     results: dict[str, list[dict | None]] = {v.name: [] for v in variants}
     for r in range(rounds):
         for v in round_order(variants, r):
-            spec = base.model_copy(update={**v.spec, "seed": r})
-            spec = RunSpec.model_validate(spec.model_dump())  # the variant's fields checked as a spec
-            if spec.system == "persia-sync":
-                spec = spec.model_copy(update={"staleness": None})
+            fields = {**base.model_dump(), **v.spec, "seed": r}
+            if fields["system"] == "persia-sync":
+                fields["staleness"] = None  # the synchronous reference's bound is 1
+            spec = RunSpec.model_validate(fields)  # the variant's fields checked as a spec
             argv, env = command_for(spec, launcher)
             argv = with_role_env(argv, v.env)
             rec = execute(argv, env, spec.timeout_s, logs_dir / f"ab-{r}-{v.name}.log")

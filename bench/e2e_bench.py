@@ -20,7 +20,9 @@ import platform
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -344,10 +346,11 @@ def run_log_name(index: int, group: str, spec: RunSpec, prefix: str = "") -> str
 
 
 def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Path,
-            sample_interval_s: float = 0.2) -> dict[str, Any]:
+            sample_interval_s: float = 0.2, during: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Run one command in its own session, sample its tree's memory and CPU, parse its PERSIA_RESULT.
     A result that names its training window (``train_window_unix``) also gets each role's CPU inside
-    it (``training_cpu_s``), start-up and shutdown left out."""
+    it (``training_cpu_s``), start-up and shutdown left out. ``during(pid)``, if given, runs on a
+    thread of its own while the command does (what it raises, the caller gets)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]  # other work on the machine shows up here (ours adds ~2)
     started = time.perf_counter()
@@ -356,6 +359,7 @@ def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Pa
         log.flush()
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
         sampler = PeakMemorySampler(proc.pid, sample_interval_s).start()
+        watcher = _Watcher(during, proc.pid) if during is not None else None
         try:
             stdout, _ = proc.communicate(timeout=timeout_s)
             timed_out = False
@@ -370,6 +374,8 @@ def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Pa
             raise
         memory = sampler.stop()
         log.write("\n--- stdout ---\n" + (stdout or ""))
+    if watcher is not None:
+        watcher.join()
     record: dict[str, Any] = {
         "returncode": proc.returncode,
         "wall_seconds": time.perf_counter() - started,
@@ -400,6 +406,26 @@ def execute(argv: list[str], env: dict[str, str], timeout_s: float, log_path: Pa
     else:
         record["status"] = "ok"
     return record
+
+
+class _Watcher(threading.Thread):
+    """``execute``'s ``during(pid)`` on its own thread; ``join`` raises what it raised."""
+
+    def __init__(self, fn: Callable[[int], None], pid: int):
+        super().__init__(name="bench-during", daemon=True)
+        self.fn, self.pid, self.error = fn, pid, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.fn(self.pid)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by join()
+            self.error = exc
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
 
 
 def _jsonable(o: Any) -> Any:

@@ -17,9 +17,6 @@ docs/benchmarks.md), which the switches per batch show.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -152,28 +149,25 @@ def sample(root: int) -> list[ThreadSample]:
 
 
 def measure(spec: RunSpec, after_s: float, window_s: float, env_extra: dict[str, str], log_path: Path) -> dict:
-    from bench.e2e_bench import command_for  # late: e2e_bench imports the benchmark's whole plan
-    from synthetic_ctr.results import parse_result_line
+    from bench.e2e_bench import command_for, execute  # late: e2e_bench imports the benchmark's whole plan
 
     argv, env = command_for(spec, find_launcher())
-    argv = with_role_env(argv, env_extra)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
-        try:
-            time.sleep(after_s)  # the run's own pace: nothing to wait on but the clock
-            before, t0, began = sample(proc.pid), time.monotonic(), time.time()
-            time.sleep(window_s)
-            after, seconds, ended = sample(proc.pid), time.monotonic() - t0, time.time()
-            stdout, _ = proc.communicate(timeout=spec.timeout_s)
-        except BaseException:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise
-    if proc.returncode != 0:
-        raise SystemExit(f"the run failed (exit {proc.returncode}); its log: {log_path}")
-    result = parse_result_line(stdout)
-    outside = outside_training(result.get("train_window_unix"), began, ended)
+    seen: dict = {}
+
+    def window(pid: int) -> None:
+        time.sleep(after_s)  # the run's own pace: nothing to wait on but the clock
+        seen["before"], t0, seen["began"] = sample(pid), time.monotonic(), time.time()
+        time.sleep(window_s)
+        seen["after"], seen["seconds"], seen["ended"] = sample(pid), time.monotonic() - t0, time.time()
+
+    rec = execute(with_role_env(argv, env_extra), env, spec.timeout_s, log_path, during=window)
+    if rec["status"] != "ok":
+        raise SystemExit(f"the run did not finish well ({rec['status']}: {rec.get('reason')}); its log: {log_path}")
+    result = rec["result"]
+    if not seen["after"]:
+        raise SystemExit(f"the run ended before the window did ({after_s + window_s:.0f} s): more --rows")
+    before, after, seconds = seen["before"], seen["after"], seen["seconds"]
+    outside = outside_training(result.get("train_window_unix"), seen["began"], seen["ended"])
     if outside:
         print(f"warning: {outside}", file=sys.stderr)
     sps = float(result["samples_per_sec"])

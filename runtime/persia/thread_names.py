@@ -38,29 +38,22 @@ def os_thread_name(name: str) -> str:
 
 def set_os_thread_name(name: str) -> bool:
     """Give the calling thread the kernel name for ``name``; False where that cannot be done."""
-    global _prctl
-    if _prctl is None:
-        _prctl = _find_prctl()
-    if not _prctl:
+    prctl, short = _libc_prctl(), os_thread_name(name)
+    if not prctl or not short:
         return False
-    short = os_thread_name(name)
-    if not short:
-        return False
-    return _prctl(_PR_SET_NAME, ctypes.c_char_p(short.encode("utf-8")), 0, 0, 0) == 0
+    return prctl(_PR_SET_NAME, ctypes.c_char_p(short.encode("utf-8")), 0, 0, 0) == 0
 
 
 def name_os_threads() -> bool:
     """From now on, every thread this process starts names itself for the kernel (idempotent);
     False where the platform has no thread names."""
-    global _installed, _prctl
+    global _installed
     if not sys.platform.startswith("linux"):
         return False
     with _lock:
         if _installed:
             return True
-        if _prctl is None:
-            _prctl = _find_prctl()  # here, once, rather than in the first thread that starts
-        if not _prctl:
+        if not _libc_prctl():  # looked up here, once, rather than in the first thread that starts
             return False
         previous = threading.getprofile()
 
@@ -76,9 +69,16 @@ def name_os_threads() -> bool:
     return True
 
 
-def _find_prctl():
+def _libc_prctl():
     """libc's ``prctl`` from the symbols the interpreter already loaded (``dlopen(NULL)``: no
-    search of the library path, no subprocess), or False."""
+    search of the library path, no subprocess), or False; looked up once."""
+    global _prctl
+    if _prctl is None:
+        _prctl = _find_prctl()
+    return _prctl
+
+
+def _find_prctl():
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError, TypeError):

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from bench.procmem import PROC as PROC_DIR
 from bench.threads import (MIN_SHARE, ThreadRate, ThreadSample, outside_training, parse_schedstat, parse_switches,
                            rates, role_totals, sample, table)
 
@@ -117,3 +118,40 @@ def test_sample_finds_a_roles_threads_by_their_names(tmp_path):
         assert by_name["idle"].cores < MIN_SHARE
     finally:
         proc.communicate("\n", timeout=30)
+
+
+def _result_command(wait_for: str) -> list[str]:
+    """A command that prints a result line once ``wait_for`` exists (the watcher creates it)."""
+    return [sys.executable, "-c", textwrap.dedent(f"""
+        import os, time
+        from synthetic_ctr.results import format_result_line
+        deadline = time.monotonic() + 30
+        while not os.path.exists({wait_for!r}) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        print(format_result_line({{"samples_per_sec": 1.0, "seen": os.path.exists({wait_for!r})}}), flush=True)
+    """)]
+
+
+def test_execute_runs_during_beside_the_command(tmp_path):
+    """bench.threads samples through ``execute(during=)``: it runs while the command does, on the
+    command's pid, and what it raises reaches the caller."""
+    from bench._paths import child_env
+    from bench.e2e_bench import execute
+
+    flag = tmp_path / "flag"
+    pids = []
+
+    def during(pid):
+        pids.append(pid)
+        assert (PROC_DIR / str(pid)).exists()  # the command is running
+        flag.touch()
+
+    rec = execute(_result_command(str(flag)), child_env(), 60, tmp_path / "a.log", during=during)
+    assert rec["status"] == "ok" and rec["result"]["seen"] is True and len(pids) == 1
+
+    def broken(pid):
+        (tmp_path / "flag2").touch()
+        raise RuntimeError("the sampler broke")
+
+    with pytest.raises(RuntimeError, match="the sampler broke"):
+        execute(_result_command(str(tmp_path / "flag2")), child_env(), 60, tmp_path / "b.log", during=broken)
