@@ -114,14 +114,14 @@ def cpu_plan(value: str | None, local_rank: int, allowed: Iterable[int], local_w
 
 
 def thread_masks(plan: CpuPlan, threads: int, tids: Iterable[int], training: int,
-                 team: frozenset[int], helpers: frozenset[int] = frozenset()) -> dict[int, frozenset[int]]:
+                 team: frozenset[int]) -> dict[int, frozenset[int]]:
     """The CPUs of each thread of the process (pure): the training thread alone on its CPU on one
     torch thread; it and its OpenMP team on the shared CPUs on several; everything else on the rest."""
     masks = {}
     for tid in tids:
         if tid == training:
             masks[tid] = frozenset({plan.own}) if threads <= 1 else plan.shared
-        elif tid in helpers or (threads > 1 and tid in team):
+        elif threads > 1 and tid in team:
             masks[tid] = plan.shared
         else:
             masks[tid] = plan.rest
@@ -196,7 +196,6 @@ class TrainingPlacement:
         self.started_on = frozenset(os.sched_getaffinity(0))
         self.threads = 1
         self.team: frozenset[int] = frozenset()
-        self.helpers: frozenset[int] = frozenset()
         self.steps = 0
 
     @classmethod
@@ -226,11 +225,9 @@ class TrainingPlacement:
         log.info("CPU placement: %s (the process started on CPUs %s)", self.why, format_cpus(self.started_on))
         return self
 
-    def threads_changed(self, threads: int, helpers: frozenset[int] = frozenset()) -> None:
-        """The torch thread count is now ``threads`` (called after ``torch.set_num_threads``);
-        ``helpers``: threads that run parts of the batch beside the training thread (``batch_split``)."""
+    def threads_changed(self, threads: int) -> None:
+        """The torch thread count is now ``threads`` (called after ``torch.set_num_threads``)."""
         self.threads = threads
-        self.helpers = frozenset(helpers)
         if threads > 1:
             # the training thread first: team threads the runtime makes now inherit its CPUs
             self._set(self.training, self.plan.shared)
@@ -248,7 +245,7 @@ class TrainingPlacement:
             self.sweep()
 
     def sweep(self) -> None:
-        masks = thread_masks(self.plan, self.threads, _process_threads(), self.training, self.team, self.helpers)
+        masks = thread_masks(self.plan, self.threads, _process_threads(), self.training, self.team)
         for tid, cpus in masks.items():
             self._set(tid, cpus)
 

@@ -28,7 +28,6 @@ from persia.nn_worker.checkpoint import check_optimizer_state
 from persia.nn_worker.cpu_placement import TrainingPlacement
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
-from persia.nn_worker.batch_split import BatchSplitter, split_refusal
 from persia.nn_worker.lookup_group import lookup_group_setting, lookup_group_size
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker import embedding_tensors
@@ -117,7 +116,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._control_group = None
         self._thread_tuner: ThreadTuner | None = None
         self._placement: TrainingPlacement | None = None
-        self._splitter: BatchSplitter | None = None
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
@@ -137,12 +135,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self.metrics = Metrics("nn_worker", self.rank)
         attach_metrics(self.metrics)
         self._placement = self._place_training_thread()
-        forced = os.environ.get("PERSIA_SPLIT_BATCH")  # experiment (session 26): not landed
-        if forced and self.device.type == "cpu" and split_refusal(self.model) is None:
-            self._set_torch_threads(1, split=int(forced))
-            self._thread_tuner = None
-        else:
-            self._thread_tuner = self._make_thread_tuner()
+        self._thread_tuner = self._make_thread_tuner()
         log.info("NN worker rank %d/%d ready on %s", self.rank, self.world_size, self.device)
 
     def _make_thread_tuner(self) -> ThreadTuner | None:
@@ -161,15 +154,10 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         placement = TrainingPlacement.from_env(local_rank=env.get_local_rank() or 0)
         return placement.start(torch.get_num_threads()) if placement is not None else None
 
-    def _set_torch_threads(self, threads: int, split: int = 1) -> None:
+    def _set_torch_threads(self, threads: int) -> None:
         torch.set_num_threads(threads)
-        if (self._splitter.threads if self._splitter is not None else 1) != split:
-            if self._splitter is not None:
-                self._splitter.close()
-            self._splitter = (BatchSplitter(split, int(os.environ.get("PERSIA_SPLIT_ROWS", 256)))
-                              if split > 1 else None)
         if self._placement is not None:
-            self._placement.threads_changed(threads, self._splitter.pool.native_ids if self._splitter else frozenset())
+            self._placement.threads_changed(threads)
 
     def _info(self, _req) -> dict:
         """``nn.info``: what a data loader needs, including where to resume its stream."""
@@ -270,10 +258,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             with torch.autocast("cuda", dtype=torch.float16):
                 output = self.model(non_id, emb)
             return float32_outputs(output)
-        if self._splitter is not None and self._current_batch is not None and torch.is_grad_enabled():
-            output = self._splitter.forward(self.model, non_id, emb)
-            if output is not None:
-                return output
         return self.model(non_id, emb)
 
     # -- backward ---------------------------------------------------------------------------------
@@ -310,8 +294,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # all-reduced dense gradients then tell every rank alike whether to step.
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
         scaled.backward()
-        if self._splitter is not None:
-            self._splitter.backward()  # the chunks' graphs, from the gradients that reached their outputs
         grads = []  # one per dim: a row per distinct ID (autograd summed its occurrences)
         non_finite = False
         for leaf in batch.emb_leaves:
@@ -644,9 +626,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 self._placement = None
             if self._corrector is not None:
                 self._corrector.stop()
-            if self._splitter is not None:
-                self._splitter.close()
-                self._splitter = None
             log_summary(self.rank, complete=exc is None)
             try:  # data loaders still holding an end of stream for us need not wait for an answer
                 self.bus.publish(subject("nn", "done"), {"rank": self.rank})
