@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 from bench import _paths  # noqa: F401  (puts synthetic_ctr on sys.path)
 
@@ -84,6 +85,28 @@ def run_config(mlp: str, batch_size: int, steps: int, threads: int, wait_policy:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def thread_counts(cpus: int | None) -> tuple[int, ...]:
+    """The torch thread counts our NN worker's tuner may train on with ``cpus`` CPUs (the
+    launcher gives it all of them to start from; ``thread_tuning.candidates_for``), fewest first."""
+    from persia.nn_worker.thread_tuning import candidates_for
+
+    return tuple(sorted(candidates_for(max(1, cpus or 1))))
+
+
+def measure_for_bound(mlp: str, batch_size: int, steps: int, cpus: int | None, runner=run_config) -> dict[str, Any]:
+    """The dense step alone at every thread count the NN worker may pick, with local mode's
+    passive OpenMP waiting: what bounds our throughput from the critical path's side
+    (``bench.summary.dense_bound``). ``{"status": "ok", "threads": {"1": {...}, ...}}``, or
+    ``failed`` with the reason."""
+    got: dict[str, Any] = {"mlp": mlp, "batch_size": batch_size, "steps": steps, "wait_policy": "PASSIVE"}
+    try:
+        got["threads"] = {str(n): runner(mlp, batch_size, steps, n, "PASSIVE") for n in thread_counts(cpus)}
+    except (subprocess.CalledProcessError, ValueError, IndexError) as exc:
+        detail = exc.stderr.strip().splitlines()[-1] if isinstance(exc, subprocess.CalledProcessError) and exc.stderr else exc
+        return {**got, "status": "failed", "reason": f"dense step not measured: {detail}"}
+    return {**got, "status": "ok"}
 
 
 def main(argv: list[str] | None = None) -> int:

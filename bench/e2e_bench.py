@@ -107,6 +107,18 @@ class PathPlan:
     pairs: int = 2
 
 
+@dataclass(frozen=True)
+class DensePlan:
+    """The NN worker's dense step alone (bench/dense_step.py) on the model and batch size of
+    throughput target ``target``, at each thread count the NN worker may train on: what bounds that
+    target from the critical path's side (``bench.summary.dense_bound``)."""
+
+    target: str
+    mlp: str
+    batch_size: int
+    steps: int
+
+
 def latency_group(delay_ms: float | None) -> str:
     """The report group of a latency run: one per delay; the undelayed torch baseline its own."""
     return "latency_torch" if delay_ms is None else f"latency_{delay_ms:g}ms"
@@ -145,6 +157,8 @@ class Profile:
     # pairs of the same measurement with each PS inside its embedding worker (--colocate-ps); 0: not
     # measured (``python -m bench.path_cpu --colocate-ps`` measures it alone)
     path_cpu_colocated_pairs: int = 0
+    # the dense step alone per throughput target (what one training thread allows it)
+    dense_step_targets: tuple[DensePlan, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
 
@@ -216,6 +230,10 @@ PROFILES: dict[str, Profile] = {
         # measured in the throughput runs (~40 s a pair)
         path_cpu_targets=(PathPlan("ratio_mlp400_b1024", "mlp400", 1024, (80_000, 320_000), pairs=1),
                           PathPlan("ratio_ffnn", "ffnn", 256, (5_000, 20_000), pairs=1)),
+        # about 1.5 s of steps each, per thread count (plus a process start)
+        dense_step_targets=(DensePlan("ratio_mlp400", "mlp400", 256, 200),
+                            DensePlan("ratio_mlp400_b1024", "mlp400", 1024, 60),
+                            DensePlan("ratio_ffnn", "ffnn", 256, 8)),
     ),
     # A few thousand rows through every stage (generator, each system, report); checks plumbing only.
     "smoke": Profile(
@@ -530,6 +548,16 @@ def run_profile(
             for t in profile.path_cpu_targets:
                 path_cpu_targets[t.target] = path(t.rows, min(t.pairs, profile.repeats), t.batch_size, t.mlp)
 
+    dense_step: dict[str, dict[str, Any]] = {}
+    if not only_latency and models is None:
+        from bench.dense_step import measure_for_bound
+
+        for d in profile.dense_step_targets:
+            dense_step[d.target] = measure_for_bound(d.mlp, d.batch_size, d.steps, os.cpu_count())
+            per = dense_step[d.target].get("threads") or {}
+            log(f"dense step alone, {d.mlp} batch {d.batch_size}: " + (", ".join(
+                f"{n} thread(s) {r['ms_per_step']:.1f} ms" for n, r in per.items()) or dense_step[d.target]["reason"]))
+
     adult: dict[str, Any] = {"status": "skipped", "reason": "not part of this profile"}
     if profile.adult_income and not only_latency and models is None:
         if systems is not None and not any(s.startswith("persia") for s in systems):
@@ -567,6 +595,7 @@ def run_profile(
         "path_cpu": path_cpu,
         "path_cpu_colocated": path_cpu_colocated,
         "path_cpu_targets": path_cpu_targets,
+        "dense_step": dense_step,
         "total_seconds": time.perf_counter() - t0,
     }
     report_docs: Path | None = docs_dir

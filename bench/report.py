@@ -149,6 +149,8 @@ def render_markdown(doc: dict[str, Any], summary: list[dict[str, Any]], head: di
             w(f"- `{key}`: {why}")
         w("")
     w(render_cpu_bound(head.get("cpu_bound") or {}, doc["machine"].get("cpus")))
+    if head.get("dense_bound"):
+        w(render_dense_bound(head["dense_bound"], doc["machine"].get("cpus")))
 
     w("### Setup\n")
     cfg = data["config"]
@@ -472,6 +474,41 @@ def render_cpu_bound(bounds: dict[str, dict[str, Any]], cores: int | None) -> st
     return "\n".join(out) + "\n"
 
 
+def render_dense_bound(bounds: dict[str, dict[str, Any]], cores: int | None) -> str:
+    """What the NN worker's dense step allows each throughput target (``bench.summary.dense_bound``):
+    a target above every thread count's bound needs a faster dense step, not less path CPU."""
+    counts = sorted({n for b in bounds.values() for n in b.get("threads", {})}, key=int)
+    out = ["#### What the dense step allows\n",
+           "A training step takes at least as long as the NN worker's dense step alone (`bench/dense_step.py` "
+           "in this run: the model's forward, backward, finiteness checks and fused Adam on in-memory tensors, "
+           "with local mode's passive OpenMP waiting), and at least the CPU it needs spread over the "
+           f"{cores or '?'} cores: the dense step's own CPU at that thread count plus every other CPU of the "
+           "job (the CPU per sample above, less the dense step's at the count the NN worker chose, which "
+           "is assumed not to change with the count). Per thread count: the dense step's wall ms, the "
+           "least step time, what limits it, and the *ratio bound* (the baseline's step time over that "
+           "least time). A target above every bound needs a faster dense step, not less path CPU.\n",
+           "| target | baseline ms a step | " + " | ".join(
+               f"{n} thread{'s' if int(n) > 1 else ''}: dense ms / least step ms (limit) / ratio bound"
+               for n in counts) + " | NN worker trained on | target | measured ratio |",
+           "|---|---|" + "---|" * len(counts) + "---|---|---|"]
+    for key, b in bounds.items():
+        what = TARGETS[key][2] if key in TARGETS else key
+        if "missing" in b:
+            out.append(f"| {_cell(what)} | — | " + "— | " * len(counts) + f"— | — | not measured: {_cell(b['missing'])} |")
+            continue
+        cells = []
+        for n in counts:
+            c = b["threads"].get(n)
+            cells.append("—" if c is None else
+                         f"{c['dense_ms']:.1f} / {c['step_bound_ms']:.1f} ({c['limited_by']}) / "
+                         + (f"**{c['ratio_bound']:.3f}**" if n == b["best"] else f"{c['ratio_bound']:.3f}"))
+        trained = b.get("trained_threads")
+        out.append(f"| {_cell(what)} | {b['baseline_ms']:.2f} | " + " | ".join(cells)
+                   + f" | {trained if trained is not None else '—'} thread(s) | >= {b['target_ratio']:g} | "
+                   f"{_f(b['measured_ratio'], '.3f')} |")
+    return "\n".join(out) + "\n"
+
+
 def _path_cpu_table(pc: dict[str, Any]) -> str:
     out = []
     if pc.get("status") != "ok":
@@ -553,7 +590,8 @@ def write_report(doc: dict[str, Any], docs_dir: Path | None = DOCS_DIR, results_
     summary = summarize(doc["runs"])
     head = headline(summary, doc.get("adult_income"), *headline_labels(doc), default=default_label(doc),
                     path_cpu=doc.get("path_cpu"), path_cpu_colocated=doc.get("path_cpu_colocated"),
-                    path_cpu_targets=doc.get("path_cpu_targets"), cores=(doc.get("machine") or {}).get("cpus"))
+                    path_cpu_targets=doc.get("path_cpu_targets"), cores=(doc.get("machine") or {}).get("cpus"),
+                    dense_step=doc.get("dense_step"))
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "e2e.json").write_text(json.dumps(head, indent=2, sort_keys=False) + "\n")
     if docs_dir is None:

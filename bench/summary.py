@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from bench.spec import DEFAULT_HYBRID_STALENESS, persia_label
@@ -65,6 +66,12 @@ def _run_cpu(run: dict[str, Any]) -> dict[str, float]:
     return {role: float(v["cpu_s"]) for role, v in (run.get("memory") or {}).items() if role != "other" and "cpu_s" in v}
 
 
+def _most_common(values: list[Any]) -> Any:
+    """The value most of ``values`` have (the first seen of a tie), None for none (pure)."""
+    counts = Counter(v for v in values if v is not None)
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per (mlp, label) in first-seen order."""
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -104,7 +111,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     (r[k] for r in ok for k in ("loadavg_start", "loadavg_end") if r.get(k) is not None), default=None
                 ),
                 "train_samples": ok[0]["result"].get("train_samples") if ok else None,
-                "threads": ok[0]["result"].get("threads") if ok else None,
+                # the torch threads most of its runs trained on (the tuner's choice can differ per run)
+                "threads": _most_common([r["result"].get("threads") for r in ok]),
                 "curve": mean_curve([r["result"].get("auc_curve") or [] for r in ok]),
                 "memory_mb": memory,
                 "cpu_s": cpu,
@@ -218,7 +226,7 @@ def headline(
     summary: list[dict[str, Any]], adult: dict[str, Any] | None, hybrid: str = HYBRID, sync: str = SYNC,
     default: str | None = None, path_cpu: dict[str, Any] | None = None,
     path_cpu_colocated: dict[str, Any] | None = None, path_cpu_targets: dict[str, dict[str, Any]] | None = None,
-    cores: int | None = None,
+    cores: int | None = None, dense_step: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The figures for bench/results/e2e.json; every null has its reason under ``notes``.
     ``path_cpu``: bench/path_cpu.py's measurement (``embedding_path_us_per_sample``); with
@@ -226,7 +234,9 @@ def headline(
     also ``cpu_bound``: what the cores allow each throughput target at the measured CPU per sample.
     ``hybrid`` / ``sync`` label the headline hybrid configuration and its synchronous reference;
     ``default`` (None: ``hybrid``) the setting a PERSIA user gets, whose AUC gap the targets bound
-    (``auc_gap_hybrid_sync``, ``auc_gap_30steps``)."""
+    (``auc_gap_hybrid_sync``, ``auc_gap_30steps``). ``dense_step`` (bench/dense_step.py's
+    ``measure_for_bound`` by target key) adds ``dense_bound``: what the dense step alone allows each
+    throughput target."""
     default = default or hybrid
     get = {
         (mlp, name): find(summary, mlp, label)
@@ -295,9 +305,71 @@ def headline(
     h["cpu_bound"] = cpu_bounds(cores, {"ratio_mlp400": (path_cpu, b4, h4),
                                         "ratio_mlp400_b1024": (others.get("ratio_mlp400_b1024"), bK, hK),
                                         "ratio_ffnn": (others.get("ratio_ffnn"), bF, hF)})
+    h["dense_bound"] = dense_bounds(cores, dense_step or {}, {
+        "ratio_mlp400": (path_cpu, b4, h4), "ratio_mlp400_b1024": (others.get("ratio_mlp400_b1024"), bK, hK),
+        "ratio_ffnn": (others.get("ratio_ffnn"), bF, hF)})
     h["targets"] = check_targets(h)
     h["notes"] = notes
     return h
+
+
+def dense_bound(batch_size: int, baseline_sps: float, target_ratio: float, dense: dict[str, dict[str, float]],
+                cores: int | None = None, all_roles_us: float | None = None, trained_threads: int | None = None,
+                measured_sps: float | None = None) -> dict[str, Any]:
+    """What the NN worker's dense step allows a throughput target, per thread count (pure).
+
+    A training step cannot take less than its dense step alone (``dense``: bench/dense_step.py's
+    ``ms_per_step`` and ``cpu_per_wall`` by thread count), so at ``n`` threads samples/s is at
+    most ``batch_size`` per that time. With the run's CPU per sample (``all_roles_us``, measured
+    while it trained on ``trained_threads``) the step also cannot take less than the CPU it needs
+    spread over ``cores``: the dense step's own CPU at ``n`` threads plus everything else (all roles'
+    CPU less the dense step's at ``trained_threads``; assumed not to change with the count). The
+    larger of the two is the step's least time; ``ratio_bound`` is the baseline's step time over
+    it, and ``best`` the count that allows most.
+    """
+    if batch_size <= 0 or baseline_sps <= 0 or not dense:
+        raise ValueError(f"batch_size and baseline_sps must be positive and dense measured, got "
+                         f"{batch_size}, {baseline_sps}, {sorted(dense)}")
+    baseline_ms = batch_size * 1e3 / baseline_sps
+    trained = dense.get(str(trained_threads)) if trained_threads is not None else None
+    rest_ms = None
+    if all_roles_us is not None and all_roles_us > 0 and trained is not None and cores:
+        rest_ms = max(0.0, all_roles_us * batch_size / 1e3 - trained["ms_per_step"] * trained["cpu_per_wall"])
+    counts = {}
+    for n, d in sorted(dense.items(), key=lambda kv: int(kv[0])):
+        wall, cpu = d["ms_per_step"], d["ms_per_step"] * d["cpu_per_wall"]
+        cpu_ms = (cpu + rest_ms) / cores if rest_ms is not None else None
+        step = max(wall, cpu_ms) if cpu_ms is not None else wall
+        counts[n] = {"dense_ms": wall, "dense_cpu_ms": cpu, "cpu_bound_ms": cpu_ms, "step_bound_ms": step,
+                     "limited_by": "CPU" if cpu_ms is not None and cpu_ms > wall else "dense step",
+                     "ratio_bound": baseline_ms / step}
+    best = max(counts, key=lambda n: counts[n]["ratio_bound"])
+    return {"batch_size": batch_size, "baseline_sps": baseline_sps, "baseline_ms": baseline_ms,
+            "target_ratio": target_ratio, "rest_ms": rest_ms, "trained_threads": trained_threads,
+            "threads": counts, "best": best, "ratio_bound": counts[best]["ratio_bound"],
+            "measured_ratio": measured_sps / baseline_sps if measured_sps else None}
+
+
+def dense_bounds(cores: int | None, dense_step: dict[str, dict[str, Any]],
+                 measured: dict[str, tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]],
+                 ) -> dict[str, dict[str, Any]]:
+    """``dense_bound`` per throughput target key with a dense-step measurement, from (path CPU
+    measurement, baseline summary row, our summary row); ``{"missing": why}`` where one is lacking."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, d in dense_step.items():
+        pc, base, ours = measured.get(key, (None, None, None))
+        if d.get("status") != "ok":
+            out[key] = {"missing": d.get("reason") or "dense step not measured"}
+        elif not base or not base.get("sps_median"):
+            out[key] = {"missing": "no baseline run"}
+        else:
+            per_role = pc.get("median_us_per_sample") if pc and pc.get("status") == "ok" else None
+            all_roles = per_role.get("all_roles") if per_role else None
+            out[key] = {"mlp": d.get("mlp"), **dense_bound(
+                d["batch_size"], base["sps_median"], TARGETS[key][1], d["threads"], cores,
+                all_roles if all_roles and all_roles > 0 else None, (ours or {}).get("threads"),
+                (ours or {}).get("sps_median"))}
+    return out
 
 
 def cpu_bound(cores: int, all_roles_us: float, baseline_sps: float, target_ratio: float,
