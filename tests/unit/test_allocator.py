@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from persia import allocator
-from persia.allocator import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, allocator_plan
+from persia.allocator import M_MMAP_MAX, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, allocator_plan, large_buffer_plan
 
 GLIBC = sys.platform == "linux" and platform.libc_ver()[0] == "glibc"
 
@@ -111,3 +111,78 @@ def test_launcher_names_a_bad_switch_value():
                          env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
     assert "PERSIA_MALLOC_TUNING" in out.stderr and "'sometimes'" in out.stderr
+
+
+def test_large_buffer_plan_turns_mmap_off_under_the_same_switch():
+    settings, why = large_buffer_plan({}, "glibc")
+    assert settings == {M_MMAP_MAX: 0} and "heap" in why
+    assert large_buffer_plan({"PERSIA_MALLOC_TUNING": "0"}, "glibc")[0] == {}
+    assert large_buffer_plan({"MALLOC_MMAP_MAX_": "4"}, "glibc") == ({}, "MALLOC_MMAP_MAX_ set in the environment: glibc applies those")
+    assert large_buffer_plan({}, "")[0] == {}
+
+
+# A 32 MiB weight gradient made and freed every step, as a large model's backward does.
+LARGE = textwrap.dedent("""
+    import resource, sys
+    import torch  # numpy would madvise its large buffers into huge pages; torch's allocator does not
+    from persia.allocator import LargeBuffers, tune_allocator
+
+    print(tune_allocator(), file=sys.stderr)
+    span = LargeBuffers()
+    if sys.argv[1] in ("keep", "after"):
+        print(span.start(), file=sys.stderr)
+    if sys.argv[1] == "after":
+        span.stop()  # training over: large buffers are mapped (and given back) again
+
+    def steps(n):
+        for _ in range(n):
+            grad = torch.ones((4096, 2048))  # 32 MiB plus malloc's header
+            del grad
+
+    def rss_mib():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+    steps(60)  # from the heap, the first steps' freed buffers are too small for the next, aligned one
+    before, rss = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, rss_mib()
+    steps(20)
+    print(rss_mib() - rss, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+""")
+
+
+@pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
+def test_keeping_large_buffers_stops_their_page_faults():
+    def faults(mode: str) -> tuple[int, str]:
+        run_env = {k: v for k, v in os.environ.items() if k not in allocator.GLIBC_ENV}
+        out = subprocess.run([sys.executable, "-c", LARGE, mode], env=run_env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        grew, n = out.stdout.split()[-2:]
+        return int(n), float(grew), out.stderr
+
+    mapped, _, _ = faults("tuned")
+    after, _, _ = faults("after")
+    kept, grew, said = faults("keep")
+    assert "refused" not in said and "no mmap" in said, said
+    # twenty steps of 8,192 pages each when every gradient is mapped afresh
+    assert mapped > 20 * 8_000, f"the 32 MiB buffers were not mapped each step ({mapped} faults)"
+    assert kept < mapped / 50, f"kept {kept} faults against {mapped}"
+    assert abs(grew) < 1, f"the heap still grew by {grew:.1f} MiB in 20 steps"  # a steady state, not a leak
+    assert after > 20 * 8_000, f"mmap was not back on after the span ({after} faults)"
+
+
+def test_large_buffer_spans_nest_and_only_the_last_to_stop_turns_mmap_back_on(monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "_mallopt", lambda settings, why: calls.append(dict(settings)) or why)
+    outer, inner = allocator.LargeBuffers({}), allocator.LargeBuffers({})
+    if not outer.settings:
+        pytest.skip("not glibc: nothing to set")
+    outer.start(), inner.start(), inner.start()
+    assert calls == [{M_MMAP_MAX: 0}]
+    inner.stop(), inner.stop()
+    assert calls == [{M_MMAP_MAX: 0}]  # the outer span still trains
+    outer.stop()
+    assert calls == [{M_MMAP_MAX: 0}, {M_MMAP_MAX: allocator.DEFAULT_MMAP_MAX}]
+    off = allocator.LargeBuffers({"PERSIA_MALLOC_TUNING": "0"})
+    assert "defaults" in off.start() and len(calls) == 2
+    with pytest.raises(ValueError, match="PERSIA_MALLOC_TUNING"):
+        allocator.LargeBuffers({"PERSIA_MALLOC_TUNING": "sometimes"})

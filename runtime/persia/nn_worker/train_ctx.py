@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from persia import env
+from persia.allocator import LargeBuffers
 from persia.bus import subject
 from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError, TooManyWaiting, answered_with
 from persia.metrics import Metrics
@@ -116,10 +117,28 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._control_group = None
         self._thread_tuner: ThreadTuner | None = None
         self._placement: TrainingPlacement | None = None
+        self._large_buffers = LargeBuffers()  # reads PERSIA_MALLOC_TUNING now: a bad value fails here
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
         self._progress = TrainingProgress(self.rank)
+
+    def __enter__(self):
+        # while it trains on the CPU, a large model's weight gradients come from the heap instead of
+        # being mapped and faulted in every step (persia.allocator.LargeBuffers)
+        if self.device.type == "cpu":
+            self._large_buffers.start()
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._large_buffers.stop()
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            return super().__exit__(exc_type, exc, tb)
+        finally:
+            self._large_buffers.stop()
 
     def _enter(self) -> None:
         super()._enter()
