@@ -22,7 +22,8 @@ one until free neighbours merge) a freed gradient serves the next step. The FFNN
 ran 110-124 ms against 134-138 over 44 steps, with 15-19 ms of system time a step against 36-37
 and a peak RSS 20-60 MiB higher (docs/benchmarks.md, issue 15, session 26). Only while training,
 and only there: large buffers freed meanwhile stay in the heap instead of going back to the
-kernel, which a PS's regrown tables, or a script's data loaded after training, must not do.
+kernel, which a PS's regrown tables, or a script's data loaded after training, must not do. And
+only for a model with a parameter of 32 MiB or more: the MLP 400's largest is 640 KB.
 
 ``PERSIA_MALLOC_TUNING=0`` leaves glibc's defaults; glibc's own ``MALLOC_MMAP_THRESHOLD_`` /
 ``MALLOC_TRIM_THRESHOLD_`` (or ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``), when set, win: the process
@@ -36,7 +37,7 @@ import logging
 import os
 import platform
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from persia.env import switch_on
 
@@ -90,6 +91,13 @@ def _mallopt(settings: dict[int, int], why: str) -> str:
         why = f"glibc refused mallopt parameter(s) {refused} of {why}; the others took effect"
         log.warning("%s", why)
     return why
+
+
+def has_large_buffers(parameter_bytes: Iterable[int]) -> bool:
+    """Whether a model with parameters of these sizes makes gradients glibc would map (pure): one
+    of :data:`MMAP_THRESHOLD` or more. A smaller model has nothing to gain from
+    :class:`LargeBuffers` and keeps glibc's mapping of large buffers."""
+    return any(n >= MMAP_THRESHOLD for n in parameter_bytes)
 
 
 _large_lock = threading.Lock()

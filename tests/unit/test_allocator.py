@@ -186,3 +186,9 @@ def test_large_buffer_spans_nest_and_only_the_last_to_stop_turns_mmap_back_on(mo
     assert "defaults" in off.start() and len(calls) == 2
     with pytest.raises(ValueError, match="PERSIA_MALLOC_TUNING"):
         allocator.LargeBuffers({"PERSIA_MALLOC_TUNING": "sometimes"})
+
+
+def test_only_a_model_with_a_parameter_glibc_would_map_needs_large_buffers():
+    assert allocator.has_large_buffers([4096 * 2048 * 4, 1024])  # the FFNN's 32 MiB layer
+    assert not allocator.has_large_buffers([400 * 400 * 4, 400 * 4])  # the MLP 400's largest
+    assert not allocator.has_large_buffers([])

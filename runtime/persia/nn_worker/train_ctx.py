@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from persia import env
-from persia.allocator import LargeBuffers
+from persia.allocator import LargeBuffers, has_large_buffers
 from persia.bus import subject
 from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError, TooManyWaiting, answered_with
 from persia.metrics import Metrics
@@ -126,7 +126,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     def __enter__(self):
         # while it trains on the CPU, a large model's weight gradients come from the heap instead of
         # being mapped and faulted in every step (persia.allocator.LargeBuffers)
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and has_large_buffers(
+                p.numel() * p.element_size() for p in self.model.parameters()):
             self._large_buffers.start()
         try:
             return super().__enter__()
