@@ -85,23 +85,34 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         self._load_error: BaseException | None = None
         self._permits: threading.BoundedSemaphore | None = None
         self._nn_info_sub = None
+        self._spans: list = []
 
     def __enter__(self):
-        # the outermost NN worker context flushes denormals on its thread for its span (an
-        # eval_ctx inside a TrainCtx finds it done); threads it starts inherit the setting
-        if not any(isinstance(c, EmbeddingCtx) for c in ctx_stack()):
-            self._denormals.start()
+        self._spans = self._entry_spans()
+        for span in self._spans:
+            span.start()
         try:
             return super().__enter__()
         except BaseException:
-            self._denormals.stop()
+            self._stop_spans()
             raise
 
     def __exit__(self, exc_type, exc, tb):
         try:
             return super().__exit__(exc_type, exc, tb)
         finally:
-            self._denormals.stop()
+            self._stop_spans()
+
+    def _entry_spans(self) -> list:
+        """Process settings this context holds from its entry to its exit (``start()``, ``stop()``):
+        the outermost NN worker context flushes denormals on its thread (an eval_ctx inside a
+        TrainCtx finds it done); threads it starts inherit the setting."""
+        return [] if any(isinstance(c, EmbeddingCtx) for c in ctx_stack()) else [self._denormals]
+
+    def _stop_spans(self) -> None:
+        spans, self._spans = self._spans, []
+        for span in reversed(spans):
+            span.stop()
 
     # -- discovery --------------------------------------------------------------------------------
     def _enter(self) -> None:

@@ -123,23 +123,12 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._last_progress = 0.0
         self._progress = TrainingProgress(self.rank)
 
-    def __enter__(self):
+    def _entry_spans(self) -> list:
         # while it trains on the CPU, a large model's weight gradients come from the heap instead of
         # being mapped and faulted in every step (persia.allocator.LargeBuffers)
-        if self.device.type == "cpu" and has_large_buffers(
-                p.numel() * p.element_size() for p in self.model.parameters()):
-            self._large_buffers.start()
-        try:
-            return super().__enter__()
-        except BaseException:
-            self._large_buffers.stop()
-            raise
-
-    def __exit__(self, exc_type, exc, tb):
-        try:
-            return super().__exit__(exc_type, exc, tb)
-        finally:
-            self._large_buffers.stop()
+        large = self.device.type == "cpu" and has_large_buffers(
+            p.numel() * p.element_size() for p in self.model.parameters())
+        return super()._entry_spans() + ([self._large_buffers] if large else [])
 
     def _enter(self) -> None:
         super()._enter()
