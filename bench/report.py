@@ -481,7 +481,8 @@ def render_dense_bound(bounds: dict[str, dict[str, Any]], cores: int | None) -> 
     out = ["#### What the dense step allows\n",
            "A training step takes at least as long as the NN worker's dense step alone (`bench/dense_step.py` "
            "in this run: the model's forward, backward, finiteness checks and fused Adam on in-memory tensors, "
-           "with local mode's passive OpenMP waiting), and at least the CPU it needs spread over the "
+           "with local mode's passive OpenMP waiting; each count's fastest of three interleaved runs, since a "
+           "slow minute of the host only ever makes a step slower), and at least the CPU it needs spread over the "
            f"{cores or '?'} cores: the dense step's own CPU at that thread count plus every other CPU of the "
            "job (the CPU per sample above, less the dense step's at the count the NN worker chose, which "
            "is assumed not to change with the count). Per thread count: the dense step's wall ms, the "
