@@ -276,7 +276,10 @@ class NatsBus:
         messages of one subscription are still handled in order, which keeps per-sender ordering.
         ``try_first``: a variant of a blocking handler that never waits, run on the loop thread
         first; only when it returns :data:`WOULD_BLOCK` does the message go to the pool (a hand-off
-        to another thread and back saved on every message that finds room at once).
+        to another thread and back saved on every message that finds room at once). A non-blocking
+        ``handler`` may be a coroutine function: it is awaited on the loop, so it can wait (for
+        room in a buffer) without holding a pool thread, and without the two thread hand-offs a
+        pool thread's wait costs; messages of the subscription still wait for it in order.
         """
         from persia.messages import MessageError, validate
 
@@ -291,6 +294,8 @@ class NatsBus:
                 if result is WOULD_BLOCK:
                     result = (await self._loop.run_in_executor(self._executor, handler, obj) if blocking
                               else handler(obj))
+                    if asyncio.iscoroutine(result):
+                        result = await result
                 reply = {"busy": True} if result is BUSY else {"ok": result}
             except (Unauthorized, MessageError) as exc:
                 _rejected(str(exc))

@@ -79,3 +79,63 @@ def test_try_first_answers_on_the_loop_and_hands_over_when_it_would_block(persia
     loop_threads = {t for kind, _, t in seen if kind == "now"}
     pool_threads = {t for kind, _, t in seen if kind == "pool"}
     assert loop_threads.isdisjoint(pool_threads)  # the fast path ran on the loop, not the pool
+
+
+
+def _poll(condition, what: str, deadline_s: float = 5.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"{what}: not within {deadline_s}s"
+        time.sleep(0.005)
+
+
+def test_a_coroutine_handler_is_awaited_on_the_loop_in_order_without_the_pool(persia_env):
+    """``serve(handler=<coroutine function>, blocking=False)``: a message that would block waits on
+    the bus's event loop; the next message of the subscription waits for it (per-sender order),
+    and no pool thread is started."""
+    import asyncio
+    import threading
+
+    from persia.bus import WOULD_BLOCK
+
+    member = NatsBus(name="server")
+    client = NatsBus(name="client")
+    started, release = threading.Event(), threading.Event()
+    seen: list[tuple[int, str]] = []
+
+    async def waiting(obj):
+        started.set()
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+        seen.append((obj["n"], threading.current_thread().name))
+        return {"n": obj["n"], "by": "waiting"}
+
+    def now(obj):
+        if obj["n"] == 0:
+            return WOULD_BLOCK
+        seen.append((obj["n"], threading.current_thread().name))
+        return {"n": obj["n"], "by": "now"}
+
+    replies: list = []
+
+    def send(n: int) -> None:
+        replies.append(client.request(subject("nn", "batch", 0), {"n": n}, timeout=10.0))
+
+    senders = [threading.Thread(target=send, args=(n,)) for n in range(2)]
+    try:
+        sub = member.serve(subject("nn", "batch", 0), waiting, blocking=False, try_first=now)
+        senders[0].start()
+        _poll(started.is_set, "the first message waiting on the loop")
+        senders[1].start()
+        _poll(lambda: sub.pending_msgs >= 1, "the second message queued behind the first")
+        assert replies == [] and seen == []  # neither answered while the first one waits
+        release.set()
+        for t in senders:
+            t.join(10.0)
+    finally:
+        client.close()
+        member.close()
+    assert [n for n, _ in seen] == [0, 1]  # the second message waited for the first
+    assert {t for _, t in seen} == {"nats-server"}  # both on the loop thread
+    assert not member._executor._threads  # no pool thread was ever needed
+    assert sorted((r["n"], r["by"]) for r in replies) == [(0, "waiting"), (1, "now")]

@@ -4,6 +4,7 @@ workers on loopback, a real DataCtx (in a thread) and a real TrainCtx with torch
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -311,8 +312,9 @@ def test_retried_sends_are_not_duplicated(persia_env):
 
 def test_a_batch_takes_the_fast_path_only_when_the_buffer_has_room():
     """``_on_batch_now`` (run on the bus's loop thread) queues a batch when there is room, and
-    otherwise hands it to ``_on_batch`` (which waits) without marking it seen, so it is not
-    answered as a duplicate there."""
+    otherwise answers would-block (the bus then awaits ``_on_batch_waiting``) without marking it
+    seen, so it is not answered as a duplicate when it is queued; ``_on_batch`` is the same offer
+    made synchronously, waiting in the calling thread."""
     from persia.bus import BUSY, WOULD_BLOCK
     from persia.data import StreamingDataset
 
@@ -324,3 +326,62 @@ def test_a_batch_takes_the_fast_path_only_when_the_buffer_has_room():
     assert ds._on_batch({"loader": 0, "batch_id": 2}) == {"queued": True}  # not taken for a duplicate
     assert ds._on_batch_now({"loader": 0, "batch_id": 1}) == {"queued": True, "duplicate": True}
     assert ds._state.delivered[0] == 2
+
+
+def _poll(condition, what: str, deadline_s: float = 5.0) -> None:
+    end = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < end, f"{what}: not within {deadline_s}s"
+        time.sleep(0.005)
+
+
+def test_a_batch_that_finds_the_buffer_full_waits_on_the_loop_until_the_consumer_makes_room(persia_env):
+    """Over a real NATS: a batch sent while the rank's buffer is full is neither refused nor handed
+    to a pool thread. It waits on the bus's loop and is queued as soon as the consumer takes an
+    item, long before ``busy_wait_s``; with no room it is answered busy at ``busy_wait_s``."""
+    from persia.bus import BusyError, NatsBus, subject
+
+    server, client = NatsBus(name="rank"), NatsBus(name="loader")
+    ds = StreamingDataset(1, busy_wait_s=30.0)
+    ds._register(server, 0)
+    replies: list = []
+
+    def send(batch_id: int, timeout: float = 60.0) -> threading.Thread:
+        msg = {"loader": 0, "batch_id": batch_id, "ref": batch_id, "worker": 0}
+
+        def run() -> None:
+            try:
+                replies.append((batch_id, client.request(subject("nn", "batch", 0), msg, timeout=timeout)))
+            except Exception as exc:  # noqa: BLE001 - the test asserts on it
+                replies.append((batch_id, exc))
+
+        t = threading.Thread(target=run)
+        t.start()
+        return t
+
+    try:
+        send(1).join(10.0)
+        assert replies == [(1, {"queued": True})]
+        replies.clear()
+        second = send(2)
+        _poll(lambda: ds._room._waiting, "the second batch waiting for room")
+        started = time.monotonic()
+        kind, first = ds._take(1.0)  # the consumer takes batch 1: room for batch 2
+        second.join(10.0)
+        assert time.monotonic() - started < 10.0  # not the 30 s deadline
+        assert (kind, first["batch_id"]) == ("batch", 1)
+        assert replies == [(2, {"queued": True})]
+        assert ds._queue.queue[0][1]["batch_id"] == 2
+        assert not server._executor._threads  # nothing went through the pool
+
+        replies.clear()
+        ds.busy_wait_s = 0.3
+        started = time.monotonic()
+        send(3).join(10.0)  # no room comes: busy at the deadline, and the loader retries
+        assert 0.3 <= time.monotonic() - started < 10.0
+        assert [b for b, _ in replies] == [3] and isinstance(replies[0][1], BusyError)
+        assert 3 not in {k[2] for k in ds._state.seen}  # not counted: the retry is not a duplicate
+        assert not ds._room._waiting
+    finally:
+        client.close()
+        server.close()

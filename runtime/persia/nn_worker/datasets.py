@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -18,6 +19,42 @@ from persia.errors import DataLoaderFailed, PersiaError
 from persia.nn_worker.accounting import ACCOUNT
 
 log = logging.getLogger(__name__)
+
+
+class _RoomWaiters:
+    """Futures of the bus's event loop waiting for room in a buffer, resolved from the consumer's
+    thread. A message that finds the buffer full waits on the loop for one of them instead of in a
+    pool thread: one wake-up (consumer to loop) instead of three (loop to pool, consumer to pool,
+    pool to loop), each of them taken with the GIL held in the NN worker's process."""
+
+    def __init__(self) -> None:
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def add(self) -> asyncio.Future:
+        """A future on the running loop; the caller holds the buffer's lock."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiting.append((loop, fut))
+        return fut
+
+    def discard(self, fut: asyncio.Future) -> None:
+        """Forget a future whose wait ended without a wake (its deadline); the caller holds the lock."""
+        self._waiting = [(loop, f) for loop, f in self._waiting if f is not fut]
+
+    def wake_all(self) -> None:
+        """Resolve every waiting future (the caller holds the buffer's lock): room was made, or the
+        buffer closed. A loop already closed has nobody left to wake."""
+        waiting, self._waiting = self._waiting, []
+        for loop, fut in waiting:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:
+                pass
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class IterableDatasetBase:
@@ -108,6 +145,7 @@ class StreamingDataset(IterableDatasetBase):
         self._queue: queue.Queue = queue.Queue(maxsize=buffer_size)
         self._lock = threading.Lock()
         self._space = threading.Condition(self._lock)  # notified when the consumer takes an item
+        self._room = _RoomWaiters()  # messages waiting on the bus's loop for the same
         self._closed = False
         self._subs: list = []
         self.received_total = 0
@@ -117,10 +155,10 @@ class StreamingDataset(IterableDatasetBase):
     def _register(self, bus, rank: int, owner=None) -> _RankStream:
         state = self._state = _stream_state(rank, owner)
         self._subs = [
-            bus.serve(subject("nn", "batch", rank), self._on_batch, schema=M.Batch,
+            bus.serve(subject("nn", "batch", rank), self._on_batch_waiting, schema=M.Batch, blocking=False,
                       try_first=self._on_batch_now),
-            bus.serve(subject("nn", "batch_group", rank), self._on_group, schema=M.BatchGroup,
-                      try_first=self._on_group_now),
+            bus.serve(subject("nn", "batch_group", rank), self._on_group_waiting, schema=M.BatchGroup,
+                      blocking=False, try_first=self._on_group_now),
             bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
         ]
         bus.flush()
@@ -135,6 +173,7 @@ class StreamingDataset(IterableDatasetBase):
         with self._space:
             self._closed = True
             self._space.notify_all()  # waiting offers answer at once instead of at their deadline
+            self._room.wake_all()
             while True:
                 try:
                     state.carry.append(self._queue.get_nowait())
@@ -189,9 +228,51 @@ class StreamingDataset(IterableDatasetBase):
         """``_on_group`` on the bus's loop thread while the buffer has room (see ``_on_batch_now``)."""
         return self._on_group(msg, wait=False)
 
+    async def _wait_for_room(self, offer) -> Any:
+        """``offer()`` (a never-waiting ``_on_batch`` / ``_on_group``) until it finds room, waiting on
+        the bus's loop between tries for the consumer to take an item, for up to ``busy_wait_s``;
+        then busy (the loader retries). A closed buffer answers busy at once."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.busy_wait_s
+        while True:
+            answer = offer()
+            if answer is not WOULD_BLOCK:
+                return answer
+            with self._space:
+                if self._closed:
+                    return BUSY
+                # registered under the lock the consumer takes to wake: room made after the offer
+                # failed is either seen here or wakes this future, never lost
+                room = None if not self._queue.full() else self._room.add()
+            left = end - loop.time()
+            if left <= 0:
+                return BUSY
+            if room is not None:
+                try:
+                    await asyncio.wait_for(room, left)
+                except asyncio.TimeoutError:
+                    self._forget(room)
+                    return BUSY
+                except asyncio.CancelledError:  # the subscription stopped (the rank stopped serving)
+                    self._forget(room)
+                    raise
+
+    def _forget(self, room: asyncio.Future) -> None:
+        with self._space:
+            self._room.discard(room)
+
+    def _on_batch_waiting(self, msg: dict) -> Any:
+        """``_on_batch`` for a full buffer, awaited on the bus's loop (``_wait_for_room``)."""
+        return self._wait_for_room(lambda: self._on_batch(msg, wait=False))
+
+    def _on_group_waiting(self, msg: dict) -> Any:
+        """``_on_group`` for a full buffer, awaited on the bus's loop (``_wait_for_room``)."""
+        return self._wait_for_room(lambda: self._on_group(msg, wait=False))
+
     def _on_batch_now(self, msg: dict) -> Any:
         """``_on_batch`` on the bus's loop thread when the buffer has room (most batches): no
-        hand-off to a pool thread; a full buffer passes the batch to ``_on_batch``, which waits."""
+        hand-off to a pool thread; a full buffer passes the batch to ``_on_batch_waiting``, which
+        waits on the loop for room."""
         return self._on_batch(msg, wait=False)
 
     def _on_eos(self, msg: dict) -> Any:
@@ -211,6 +292,14 @@ class StreamingDataset(IterableDatasetBase):
             kind, msg = self._queue.queue[0]
         return kind == "batch" and (self.epoch is None or int(msg.get("epoch", 0)) <= self.epoch)
 
+    def _take(self, timeout_s: float) -> tuple:
+        """The next queued item (``queue.Empty`` after ``timeout_s``); wakes what waits for room."""
+        item = self._queue.get(timeout=timeout_s)
+        with self._space:
+            self._space.notify()
+            self._room.wake_all()
+        return item
+
     def source(self, bus, rank: int, timeout_s: float, owner=None) -> Iterator[dict]:
         """Messages in arrival order, until the stream (or this epoch) ends. ``owner``: the
         context whose training session this is (the stream's state lives with it)."""
@@ -224,11 +313,9 @@ class StreamingDataset(IterableDatasetBase):
                     kind, msg = pending.pop(0)
                 else:
                     try:
-                        kind, msg = self._queue.get(timeout=timeout_s)
+                        kind, msg = self._take(timeout_s)
                     except queue.Empty:
                         raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:.0f}s ({self._waiting(state)})") from None
-                    with self._space:
-                        self._space.notify()
                 if kind == "eos":
                     self._on_end(state, msg)
                     continue
