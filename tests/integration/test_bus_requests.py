@@ -12,6 +12,7 @@ import pytest
 
 from persia import bus as bus_module
 from persia.bus import BusyError, NatsBus, subject
+from tests.polling import poll_until
 
 pytestmark = pytest.mark.integration
 
@@ -82,13 +83,6 @@ def test_try_first_answers_on_the_loop_and_hands_over_when_it_would_block(persia
 
 
 
-def _poll(condition, what: str, deadline_s: float = 5.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < end, f"{what}: not within {deadline_s}s"
-        time.sleep(0.005)
-
-
 def test_a_coroutine_handler_is_awaited_on_the_loop_in_order_without_the_pool(persia_env):
     """``serve(handler=<coroutine function>, blocking=False)``: a message that would block waits on
     the bus's event loop; the next message of the subscription waits for it (per-sender order),
@@ -125,9 +119,9 @@ def test_a_coroutine_handler_is_awaited_on_the_loop_in_order_without_the_pool(pe
     try:
         sub = member.serve(subject("nn", "batch", 0), waiting, blocking=False, try_first=now)
         senders[0].start()
-        _poll(started.is_set, "the first message waiting on the loop")
+        poll_until(started.is_set, "the first message waiting on the loop")
         senders[1].start()
-        _poll(lambda: sub.pending_msgs >= 1, "the second message queued behind the first")
+        poll_until(lambda: sub.pending_msgs >= 1, "the second message queued behind the first")
         assert replies == [] and seen == []  # neither answered while the first one waits
         release.set()
         for t in senders:

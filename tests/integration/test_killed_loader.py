@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from persia.ctx import TrainCtx
 from persia.data import DataLoader, StreamingDataset
 from persia.embedding.optim import SGD
 from persia.nn_worker.accounting import ACCOUNT
+from tests.polling import poll_until
 
 from .cluster import GLOBAL_CONFIG, cluster
 from .test_training_path import Model
@@ -34,14 +34,6 @@ def _loader(*args: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tests.integration.loader_process", *map(str, args)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))  # PERSIA_DATA_GROUP too
-
-
-def _poll(cond, what: str, deadline_s: float = 60.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {deadline_s}s: {what}")
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("group", [1, 2])
@@ -61,7 +53,7 @@ def test_a_loader_killed_between_its_legs_is_accounted_once_without_a_false_imba
             out["first"] = [first.stdout.readline()]
             while "holding 3" not in out["first"][-1] and out["first"][-1]:
                 out["first"].append(first.stdout.readline())
-            _poll(lambda: ACCOUNT.received >= 4, "the NN rank acknowledging batch 3's dense part")
+            poll_until(lambda: ACCOUNT.received >= 4, "the NN rank acknowledging batch 3's dense part", deadline_s=60.0)
             first.send_signal(signal.SIGKILL)  # between the legs: the loader never counted batch 3
             out["first_rc"] = first.wait(30)
             # restarted in place: a new process (session) replaying the whole stream; it asks every

@@ -17,6 +17,7 @@ from persia.data import DataLoader, IterableDataset, StreamingDataset
 from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad
 from persia.errors import DataLoaderFailed, RemoteError
+from tests.polling import poll_until
 
 from .cluster import cluster
 
@@ -328,13 +329,6 @@ def test_a_batch_takes_the_fast_path_only_when_the_buffer_has_room():
     assert ds._state.delivered[0] == 2
 
 
-def _poll(condition, what: str, deadline_s: float = 5.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < end, f"{what}: not within {deadline_s}s"
-        time.sleep(0.005)
-
-
 def test_a_batch_that_finds_the_buffer_full_waits_on_the_loop_until_the_consumer_makes_room(persia_env):
     """Over a real NATS: a batch sent while the rank's buffer is full is neither refused nor handed
     to a pool thread. It waits on the bus's loop and is queued as soon as the consumer takes an
@@ -364,7 +358,7 @@ def test_a_batch_that_finds_the_buffer_full_waits_on_the_loop_until_the_consumer
         assert replies == [(1, {"queued": True})]
         replies.clear()
         second = send(2)
-        _poll(lambda: ds._room._waiting, "the second batch waiting for room")
+        poll_until(lambda: ds._room._waiting, "the second batch waiting for room")
         started = time.monotonic()
         kind, first = ds._take(1.0)  # the consumer takes batch 1: room for batch 2
         second.join(10.0)

@@ -9,6 +9,7 @@ import pytest
 
 from persia.nn_worker.outbox import PendingUpdate, UpdateOutbox
 from persia.nn_worker.staleness import RampedStalenessBound
+from tests.polling import poll_until
 
 
 def upd(worker: int, ref: int, permit: bool = True) -> PendingUpdate:
@@ -153,26 +154,19 @@ def test_the_flusher_sends_under_the_send_lock():
     assert held and all(held)
 
 
-def _poll(what, check, deadline_s: float = 10.0) -> None:
-    end = time.monotonic() + deadline_s
-    while not check():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(0.001)
-
-
 def test_permit_traffic_on_the_shared_condition_does_not_wake_the_flusher():
     """The staleness permits notify ``box.condition`` on every release and step; the flusher
     waits on a condition of its own, woken only by a put into an empty outbox (and close)."""
     box = UpdateOutbox(lambda u: None, max_hold_s=3600)
     try:
-        _poll("the flusher to wait for updates", lambda: box._flusher_idle)
+        poll_until(lambda: box._flusher_idle, "the flusher to wait for updates", deadline_s=10.0)
         for _ in range(200):
             with box.condition:
                 box.condition.notify_all()
         assert box.flusher_notified == 0
         box.put(upd(0, 1))
-        _poll("the put to wake the flusher", lambda: box.flusher_notified >= 1)
-        _poll("the flusher to wait for the update's deadline", lambda: not box._flusher_idle)
+        poll_until(lambda: box.flusher_notified >= 1, "the put to wake the flusher", deadline_s=10.0)
+        poll_until(lambda: not box._flusher_idle, "the flusher to wait for the update's deadline", deadline_s=10.0)
         box.put(upd(0, 2))  # the flusher already waits for an earlier deadline: not woken
         for _ in range(50):
             with box.condition:
@@ -187,9 +181,9 @@ def test_an_update_put_while_the_flusher_waits_for_an_earlier_deadline_is_still_
     sent, done = send.sent, send.done
     box = UpdateOutbox(send, max_hold_s=0.5)  # long enough to claim the first update first
     try:
-        _poll("the flusher to wait for updates", lambda: box._flusher_idle)
+        poll_until(lambda: box._flusher_idle, "the flusher to wait for updates", deadline_s=10.0)
         box.put(upd(0, 1))
-        _poll("the flusher to wait for the first update's deadline", lambda: box.flusher_notified >= 1)
+        poll_until(lambda: box.flusher_notified >= 1, "the flusher to wait for the first update's deadline", deadline_s=10.0)
         assert [u.ref for u in box.claim_for(0)] == [1]  # a lookup carried it
         box.put(upd(0, 2))  # no lookup will: the flusher's next look finds it
         assert done.wait(10), "the second update was never sent"
