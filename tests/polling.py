@@ -7,9 +7,9 @@ import time
 from typing import Callable
 
 
-def poll_until(condition: Callable[[], object], what: str, deadline_s: float = 5.0, every_s: float = 0.005) -> None:
+def poll_until(condition: Callable[[], object], what: str, deadline_s: float = 5.0) -> None:
     """Return once ``condition()`` is true; fail naming ``what`` after ``deadline_s``."""
     end = time.monotonic() + deadline_s
     while not condition():
         assert time.monotonic() < end, f"not within {deadline_s}s: {what}"
-        time.sleep(every_s)
+        time.sleep(0.005)

@@ -151,7 +151,7 @@ LARGE = textwrap.dedent("""
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's malloc only")
 def test_keeping_large_buffers_stops_their_page_faults():
-    def faults(mode: str) -> tuple[int, str]:
+    def faults(mode: str) -> tuple[int, float, str]:
         run_env = {k: v for k, v in os.environ.items() if k not in allocator.GLIBC_ENV}
         out = subprocess.run([sys.executable, "-c", LARGE, mode], env=run_env, capture_output=True, text=True,
                              timeout=60)
