@@ -15,7 +15,7 @@ import os
 import ssl
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Awaitable, Callable
 
 import nats
@@ -255,6 +255,18 @@ class NatsBus:
         payload = encode(obj)
         self.run(self.nc.publish(subj, payload, headers=self._headers(subj, payload)))
 
+    def publish_soon(self, subj: str, obj: Any) -> Future:
+        """Hand a publish to the bus loop and return at once: for best-effort reports from a
+        thread that must not wait for the loop, such as the NN worker's training thread. Waiting
+        there cost a cross-CPU round trip to a loop busy on a shared core, a few ms a report
+        (docs/benchmarks.md, issue 15, session 28). A failure is logged; the returned future
+        holds it too."""
+        payload = encode(obj)
+        future = asyncio.run_coroutine_threadsafe(
+            self.nc.publish(subj, payload, headers=self._headers(subj, payload)), self._loop)
+        future.add_done_callback(lambda f: _log_publish_failure(subj, f))
+        return future
+
     # -- server side ------------------------------------------------------------------------------
     def serve(
         self,
@@ -363,6 +375,22 @@ async def _cancel_other_tasks() -> None:
 
 
 _last_rejection = [0.0]
+
+
+_last_publish_failure = [float("-inf")]
+PUBLISH_FAILURE_REPORT_S = 10.0
+
+
+def _log_publish_failure(subj: str, future: Future) -> None:
+    """A failed :meth:`NatsBus.publish_soon` in the log, at most one line every
+    ``PUBLISH_FAILURE_REPORT_S`` (a report sent twice a second through an outage must not flood it)."""
+    if future.cancelled() or future.exception() is None:
+        return
+    now = time.monotonic()
+    if now - _last_publish_failure[0] >= PUBLISH_FAILURE_REPORT_S:
+        _last_publish_failure[0] = now
+        exc = future.exception()
+        log.warning("publish to %s failed: %s: %s", subj, type(exc).__name__, exc)
 
 
 def _rejected(what: str, kind: str = "refused message") -> None:

@@ -133,3 +133,57 @@ def test_a_coroutine_handler_is_awaited_on_the_loop_in_order_without_the_pool(pe
     assert {t for _, t in seen} == {"nats-server"}  # both on the loop thread
     assert not member._executor._threads  # no pool thread was ever needed
     assert sorted((r["n"], r["by"]) for r in replies) == [(0, "waiting"), (1, "now")]
+
+
+def test_publish_soon_returns_while_the_loop_is_busy_and_the_message_still_arrives(persia_env):
+    """``publish_soon``: the caller (the NN worker's training thread, for its progress reports)
+    does not wait for the bus loop; the message goes out once the loop runs."""
+    import threading
+
+    sender, receiver = NatsBus(name="nn"), NatsBus(name="launcher")
+    got: list = []
+    arrived = threading.Event()
+    loop_free = threading.Event()
+    try:
+        receiver.subscribe_events(subject("nn", "progress"), lambda obj: (got.append(obj), arrived.set()))
+        receiver.flush()
+        blocked = threading.Event()
+
+        def hold_the_loop() -> None:
+            blocked.set()
+            loop_free.wait(10)
+
+        sender._loop.call_soon_threadsafe(hold_the_loop)
+        assert blocked.wait(5)
+        started = time.monotonic()
+        future = sender.publish_soon(subject("nn", "progress"), {"rank": 0, "trained": 7})
+        returned_after = time.monotonic() - started
+        assert not future.done(), "publish_soon waited for the loop"
+        assert returned_after < 1.0
+        loop_free.set()
+        assert future.result(5) is None
+        assert arrived.wait(5), "the message never arrived"
+        assert got == [{"rank": 0, "trained": 7}]
+    finally:
+        loop_free.set()
+        sender.close()
+        receiver.close()
+
+
+def test_publish_soon_logs_a_failure_once_per_interval(persia_env, monkeypatch, caplog):
+    """A publish that fails (here: after the connection closed) is in the future and in the log,
+    one line per ``PUBLISH_FAILURE_REPORT_S`` however many reports fail."""
+    monkeypatch.setattr(bus_module, "_last_publish_failure", [float("-inf")])
+    sender = NatsBus(name="nn")
+    sender.run(sender.nc.close(), 5)
+    try:
+        caplog.set_level(logging.WARNING, logger="persia.bus")
+        futures = [sender.publish_soon(subject("nn", "progress"), {"rank": 0, "trained": i}) for i in range(3)]
+        for f in futures:
+            assert f.exception(5) is not None
+        poll_until(lambda: any("publish to" in r.getMessage() for r in caplog.records), "the failure in the log")
+    finally:
+        sender.close()
+    lines = [r.getMessage() for r in caplog.records if "publish to" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"publish to {subject('nn', 'progress')} failed: ")

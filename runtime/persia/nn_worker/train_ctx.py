@@ -587,8 +587,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             try:
                 with self._pending_lock:
                     staleness = len(self._pending) + len(self._outbox)
-                self.bus.publish(subject("nn", "progress"),
-                                 self._progress.report(self.rank, self.trained_batches, staleness))
+                # handed to the bus loop without waiting for it (NatsBus.publish_soon)
+                self.bus.publish_soon(subject("nn", "progress"),
+                                      self._progress.report(self.rank, self.trained_batches, staleness))
             except Exception:  # noqa: BLE001 - progress is best effort
                 pass
 
