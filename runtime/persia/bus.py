@@ -251,9 +251,12 @@ class NatsBus:
             return None
         return {SIGNATURE_HEADER: sign(self._secret, subj, payload)}
 
-    def publish(self, subj: str, obj: Any) -> None:
+    def _publishing(self, subj: str, obj: Any) -> Awaitable[None]:
         payload = encode(obj)
-        self.run(self.nc.publish(subj, payload, headers=self._headers(subj, payload)))
+        return self.nc.publish(subj, payload, headers=self._headers(subj, payload))
+
+    def publish(self, subj: str, obj: Any) -> None:
+        self.run(self._publishing(subj, obj))
 
     def publish_soon(self, subj: str, obj: Any) -> Future:
         """Hand a publish to the bus loop and return at once: for best-effort reports from a
@@ -261,9 +264,7 @@ class NatsBus:
         there cost a cross-CPU round trip to a loop busy on a shared core, a few ms a report
         (docs/benchmarks.md, issue 15, session 28). A failure is logged; the returned future
         holds it too."""
-        payload = encode(obj)
-        future = asyncio.run_coroutine_threadsafe(
-            self.nc.publish(subj, payload, headers=self._headers(subj, payload)), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._publishing(subj, obj), self._loop)
         future.add_done_callback(lambda f: _log_publish_failure(subj, f))
         return future
 
@@ -374,30 +375,37 @@ async def _cancel_other_tasks() -> None:
     await asyncio.gather(*others, return_exceptions=True)
 
 
-_last_rejection = [0.0]
+class _LogThrottle:
+    """At most one log line every ``interval_s``: a flood of the same failure must not flood the log."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._last = float("-inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.interval_s:
+            return False
+        self._last = now
+        return True
 
 
-_last_publish_failure = [float("-inf")]
-PUBLISH_FAILURE_REPORT_S = 10.0
+_rejections = _LogThrottle(1.0)
+_publish_failures = _LogThrottle(10.0)  # a report sent twice a second through an outage
 
 
 def _log_publish_failure(subj: str, future: Future) -> None:
-    """A failed :meth:`NatsBus.publish_soon` in the log, at most one line every
-    ``PUBLISH_FAILURE_REPORT_S`` (a report sent twice a second through an outage must not flood it)."""
+    """A failed :meth:`NatsBus.publish_soon` in the log (``_publish_failures`` paces it)."""
     if future.cancelled() or future.exception() is None:
         return
-    now = time.monotonic()
-    if now - _last_publish_failure[0] >= PUBLISH_FAILURE_REPORT_S:
-        _last_publish_failure[0] = now
+    if _publish_failures.due():
         exc = future.exception()
         log.warning("publish to %s failed: %s: %s", subj, type(exc).__name__, exc)
 
 
 def _rejected(what: str, kind: str = "refused message") -> None:
-    """Log refusals, at most one line a second (a flood must not flood the log)."""
-    now = time.monotonic()
-    if now - _last_rejection[0] >= 1.0:
-        _last_rejection[0] = now
+    """Log refusals, at most one line a second."""
+    if _rejections.due():
         log.warning("%s: %s", kind, what)
 
 

@@ -172,8 +172,8 @@ def test_publish_soon_returns_while_the_loop_is_busy_and_the_message_still_arriv
 
 def test_publish_soon_logs_a_failure_once_per_interval(persia_env, monkeypatch, caplog):
     """A publish that fails (here: after the connection closed) is in the future and in the log,
-    one line per ``PUBLISH_FAILURE_REPORT_S`` however many reports fail."""
-    monkeypatch.setattr(bus_module, "_last_publish_failure", [float("-inf")])
+    one line per 10 s however many reports fail."""
+    monkeypatch.setattr(bus_module, "_publish_failures", bus_module._LogThrottle(10.0))
     sender = NatsBus(name="nn")
     sender.run(sender.nc.close(), 5)
     try:

@@ -28,26 +28,25 @@ class _RoomWaiters:
     pool to loop), each of them taken with the GIL held in the NN worker's process."""
 
     def __init__(self) -> None:
-        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._waiting: list[asyncio.Future] = []
 
     def add(self) -> asyncio.Future:
         """A future on the running loop; the caller holds the buffer's lock."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._waiting.append((loop, fut))
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting.append(fut)
         return fut
 
     def discard(self, fut: asyncio.Future) -> None:
         """Forget a future whose wait ended without a wake (its deadline); the caller holds the lock."""
-        self._waiting = [(loop, f) for loop, f in self._waiting if f is not fut]
+        self._waiting = [f for f in self._waiting if f is not fut]
 
     def wake_all(self) -> None:
         """Resolve every waiting future (the caller holds the buffer's lock): room was made, or the
         buffer closed. A loop already closed has nobody left to wake."""
         waiting, self._waiting = self._waiting, []
-        for loop, fut in waiting:
+        for fut in waiting:
             try:
-                loop.call_soon_threadsafe(_resolve, fut)
+                fut.get_loop().call_soon_threadsafe(_resolve, fut)
             except RuntimeError:
                 pass
 
