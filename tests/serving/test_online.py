@@ -39,7 +39,12 @@ def probe_body() -> dict:
     return {"id_type_features": ids, "non_id_type_features": {"dense": b.non_id_type_features[0].data.tolist()}}
 
 
-def scrape(port: int, job: subprocess.Popen, deadline_s: float = 20.0) -> str:
+def tail(path: Path, chars: int = 4000) -> str:
+    """The last ``chars`` of a log file."""
+    return path.read_text(errors="replace")[-chars:]
+
+
+def scrape(port: int, job: subprocess.Popen, job_log: Path, deadline_s: float = 20.0) -> str:
     """A role's /metrics, polled until its exporter answers (it starts after the role's server)."""
     end = time.monotonic() + deadline_s
     while True:
@@ -47,7 +52,7 @@ def scrape(port: int, job: subprocess.Popen, deadline_s: float = 20.0) -> str:
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         except OSError as exc:
             if time.monotonic() > end or job.poll() is not None:
-                ended = f"the job ended ({job.returncode}):\n{job.communicate()[0][-3000:]}" if job.poll() is not None \
+                ended = f"the job ended ({job.returncode}):\n{tail(job_log)}" if job.poll() is not None \
                     else "the job still runs"
                 raise AssertionError(f"no metrics on port {port}: {exc}; {ended}") from exc
             time.sleep(0.2)
@@ -65,18 +70,23 @@ def test_online_training_refreshes_a_running_model_server(tmp_path):
     # training: PS, EW, NN rank, data loader (no exporter); then the inference PS and EW
     train_metrics = free_ports(6)
     infer_metrics = train_metrics + 4
-    job = subprocess.Popen(
-        [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(ROLES / "online_train.py"),
-         "--data-loader", str(ROLES / "online_loader.py"), "--embedding-config", str(ec),
-         "--global-config", str(tmp_path / "global_config.yml"), "--no-progress", "--max-restarts", "0",
-         "--env", "PERSIA_RENDEZVOUS=nats", "--env", f"ONLINE_CKPT_DIR={ckpts}", "--env", "ONLINE_CKPT_EVERY=25",
-         "--env", "ONLINE_MAX_BATCHES=20000", "--env", "ONLINE_BATCH_INTERVAL=0.01", "--env", f"PERSIA_METRICS_PORT={train_metrics}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # the job's output goes to a file: a pipe read only at the end fills (64 KiB) and freezes the job
+    job_log = tmp_path / "job.log"
+    with job_log.open("w") as job_out:  # the job keeps its own copy of the descriptor
+        job = subprocess.Popen(
+            [sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(ROLES / "online_train.py"),
+             "--data-loader", str(ROLES / "online_loader.py"), "--embedding-config", str(ec),
+             "--global-config", str(tmp_path / "global_config.yml"), "--no-progress", "--max-restarts", "0",
+             "--env", "PERSIA_RENDEZVOUS=nats", "--env", f"ONLINE_CKPT_DIR={ckpts}", "--env", "ONLINE_CKPT_EVERY=25",
+             "--env", "ONLINE_MAX_BATCHES=20000", "--env", "ONLINE_BATCH_INTERVAL=0.01",
+             "--env", f"PERSIA_METRICS_PORT={train_metrics}"],
+            stdout=job_out, stderr=subprocess.STDOUT)
     stack = InferenceStack(tmp_path / "serving", str(ec), train_gc, model=str(ckpts), checkpoint=None,
                            serve_flags=["--model-poll-seconds", "0.5"], metrics_port=infer_metrics,
                            env={**os.environ, "PERSIA_INCREMENTAL_POLL_SECONDS": "0.5"})
+    passed = False
     try:
-        stack.wait_ready(deadline_s=180)  # ready once the first ckpt-*/ with its jit model is complete
+        stack.wait_ready(deadline_s=180, upstream=job)  # ready once the first ckpt-*/ with its jit model is complete
         url = stack.url + "/v1/predict"
         status, first = post_json(url, probe_body())
         assert status == 200, first
@@ -90,20 +100,24 @@ def test_online_training_refreshes_a_running_model_server(tmp_path):
                 moved = now
                 break
             time.sleep(0.2)
-        assert job.poll() is None, "the online job ended early:\n" + job.communicate()[0][-4000:]
+        assert job.poll() is None, "the online job ended early:\n" + tail(job_log)
         assert moved is not None, "the served prediction never moved\n" + stack.logs()
         metrics = urllib.request.urlopen(stack.url + "/metrics", timeout=10).read().decode()
         assert 'persia_serving_model_loads_total{result="ok"}' in metrics
         assert any(p.name.startswith("inc_") for p in (tmp_path / "inc").glob("s*/inc_*"))
         # every role of both jobs serves the catalogued metrics (docs/metrics.md), while they run
-        scrapes = [metrics] + [scrape(port, job) for port in
+        scrapes = [metrics] + [scrape(port, job, job_log) for port in
                                [*range(train_metrics, train_metrics + 3), *range(infer_metrics, infer_metrics + 2)]]
         assert_catalogued_metrics_served(scrapes)
+        passed = True
     finally:
         stack.stop()
         if job.poll() is None:
             job.send_signal(signal.SIGINT)
-        out = job.communicate(timeout=60)[0]
+        job.wait(timeout=60)
+        if not passed:  # pytest shows a failed test's stdout: the training job's side of the story
+            print("--- the training job's output (tail)\n" + tail(job_log, 8000))
+    out = job_log.read_text(errors="replace")
     # the NN worker and the data loader took their indices from the rendezvous (no ordinals)
     assert "nn index 0 of 1 from the NATS rendezvous" in out, out[-3000:]
     assert "dl index 0 of 1 from the NATS rendezvous" in out, out[-3000:]

@@ -89,13 +89,18 @@ class InferenceStack:
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p, _ in self._logs)
 
-    def wait_ready(self, deadline_s: float = 120.0) -> None:
+    def wait_ready(self, deadline_s: float = 120.0, upstream: subprocess.Popen | None = None) -> None:
+        """Until the model server answers /ready. ``upstream``: the process the model comes from (an
+        online training job); its exit fails the wait at once instead of after the deadline."""
         end = time.monotonic() + deadline_s
         why = "no answer"
         while time.monotonic() < end:
             for p in self.ps + self.workers + [self.server]:
                 if p.poll() is not None:
                     raise RuntimeError(f"serving process {p.args[3]} exited {p.returncode}\n{self.logs()}")
+            if upstream is not None and upstream.poll() is not None:
+                raise RuntimeError(f"the model's source {upstream.args} exited {upstream.returncode} before the "
+                                   f"model server was ready\n{self.logs()}")
             try:
                 with urllib.request.urlopen(self.url + "/ready", timeout=2) as r:
                     if r.status == 200:
