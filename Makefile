@@ -32,14 +32,11 @@ serve-demo: $(STAMP)
 
 # e2e/tests runs in a pytest of its own: tests/e2e is a package named `e2e` too. Its fast
 # parts (harness units, kubectl against the stand-in cluster) run here; the scenarios skip.
-# tests/serving/test_online.py runs in a pytest of its own: inside the whole suite one role's
-# metrics port stays silent (passes alone, every time); a leak between tests, still to be found.
 # The longest scenarios (45 s or more each on 2 cores: the bench smoke run, the kill-and-resume
 # jobs) are marked `scenario` and run in `make test-scenarios`, so `make test` stays under 15
 # minutes on a slow 2-core machine; CI (.ci/run) runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario" --ignore=tests/serving/test_online.py
-	$(PY) -m pytest -q -p no:cacheprovider tests/serving/test_online.py
+	$(PY) -m pytest -q -p no:cacheprovider -m "not scenario"
 	$(PY) -m pytest -q -p no:cacheprovider e2e/tests
 
 ## The long whole-job scenarios `make test` leaves out (about 8 minutes on 2 cores).

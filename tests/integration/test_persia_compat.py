@@ -33,7 +33,8 @@ def test_set_env_writes_the_variables_the_getters_read(monkeypatch):
     from persia import env
 
     for var in env.ENV_NAMES.values():
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded: teardown puts back what was there (delenv of an
+        monkeypatch.delenv(var)      # unset variable records nothing, and set_env's values stayed)
     env.set_env(rank=1, world_size=2, local_rank=1)
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("1", "2", "1")
     assert (env.get_rank(), env.get_world_size(), env.get_local_rank()) == (1, 2, 1)
