@@ -161,6 +161,8 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     if split is not None:
         nn_env[TRAINING_CPUS_ENV] = ",".join(str(c) for c in split.training)
     common = dict(base_env or {})
+    for inherited in _RANK_ENV:  # the launcher's own shell's ranks: each role gets its own below
+        common.pop(inherited, None)
     common.update(
         PERSIA_JOB_NAME=args.job_name,
         PERSIA_ADVERTISE_HOST="127.0.0.1",
@@ -230,6 +232,9 @@ def server_roles(launcher: list[str], common: dict[str, str], num_ps: int, num_e
     return procs
 
 
+# A rank inherited from the launcher's shell (a pod, a torchrun script) would reach every role: a
+# PS with LOCAL_RANK=1 adds it to its metrics port, onto the next role's (persia.metrics).
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "REPLICA_INDEX", "REPLICA_SIZE")
 _FOREIGN_NATS_ENV = ("PERSIA_NATS_URL", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD", "PERSIA_NATS_TOKEN",
                      "PERSIA_NATS_CREDS", "PERSIA_NATS_TLS_CA", "PERSIA_NATS_TLS_CERT", "PERSIA_NATS_TLS_KEY")
 

@@ -179,9 +179,13 @@ def test_local_plan_gives_every_process_its_own_metrics_offset_and_loopback(tmp_
                            nn_worker=str(tmp_path / "nn.py"), data_loader=str(tmp_path / "dl.py"),
                            embedding_config=str(tmp_path / "emb.yml"), global_config=None, cores=2,
                            nn_threads=None, job_name="j", env=[])
-    procs = plan(args, base_env={"PERSIA_NATS_PASSWORD": "leak", "PERSIA_NATS_URL": "nats://x:1"})
+    procs = plan(args, base_env={"PERSIA_NATS_PASSWORD": "leak", "PERSIA_NATS_URL": "nats://x:1",
+                                 "LOCAL_RANK": "1", "RANK": "1", "WORLD_SIZE": "2", "REPLICA_INDEX": "3"})
     offsets = [int(p.env["PERSIA_METRICS_PORT_OFFSET"]) for p in procs]
     assert offsets == [0, 1, 2, 3, 4, 6, 7]  # ps, ps, ew, ew, nn (2 ranks), dl, dl
+    # the launcher's own shell's ranks reach no role (a LOCAL_RANK would move its metrics port)
+    assert not any(k in p.env for p in procs for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"))
+    assert [p.env.get("REPLICA_INDEX") for p in procs] == ["0", "1", "0", "1", None, None, None]  # servers' own
     assert all(p.env["PERSIA_BIND_ADDRESS"] == "127.0.0.1" for p in procs)
     assert all("PERSIA_NATS_PASSWORD" not in p.env and "PERSIA_NATS_URL" not in p.env for p in procs)
     assert not any("leak" in " ".join(p.argv) for p in procs)
