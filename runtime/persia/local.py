@@ -219,21 +219,29 @@ def server_roles(launcher: list[str], common: dict[str, str], num_ps: int, num_e
         return [RoleProcess(f"ew-ps-{i}", "ew", launcher + [
             "embedding-worker", "--port", "0", "--replica-index", str(i), "--replica-size", str(num_ew),
             "--with-ps", "--ps-port", "0", "--ps-replica-size", str(num_ps)],
-            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(num_ew))) for i in range(num_ew)]
+            _replica_env(common, i, num_ew)) for i in range(num_ew)]
     procs: list[RoleProcess] = []
     for i in range(num_ps):
         procs.append(RoleProcess(f"ps-{i}", "ps", launcher + [
             "embedding-parameter-server", "--port", "0", "--replica-index", str(i), "--replica-size", str(num_ps)],
-            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(num_ps))))
+            _replica_env(common, i, num_ps)))
     for i in range(num_ew):
         procs.append(RoleProcess(f"ew-{i}", "ew", launcher + [
             "embedding-worker", "--port", "0", "--replica-index", str(i), "--replica-size", str(num_ew)],
-            dict(common, REPLICA_INDEX=str(i), REPLICA_SIZE=str(num_ew))))
+            _replica_env(common, i, num_ew)))
     return procs
 
 
-# A rank inherited from the launcher's shell (a pod, a torchrun script) would reach every role: a
-# PS with LOCAL_RANK=1 adds it to its metrics port, onto the next role's (persia.metrics).
+def _replica_env(common: dict[str, str], index: int, size: int) -> dict[str, str]:
+    """A server replica's environment: ``common`` with this replica's index and no inherited rank."""
+    env = {k: v for k, v in common.items() if k not in _RANK_ENV}
+    env.update(REPLICA_INDEX=str(index), REPLICA_SIZE=str(size))
+    return env
+
+
+# A rank inherited from the launcher's shell (a pod, a torchrun script, the process that opened a
+# PersiaServiceCtx) would reach every role: a PS with LOCAL_RANK=1 adds it to its metrics port,
+# onto the next role's (persia.metrics).
 _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "REPLICA_INDEX", "REPLICA_SIZE")
 _FOREIGN_NATS_ENV = ("PERSIA_NATS_URL", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD", "PERSIA_NATS_TOKEN",
                      "PERSIA_NATS_CREDS", "PERSIA_NATS_TLS_CA", "PERSIA_NATS_TLS_CERT", "PERSIA_NATS_TLS_KEY")

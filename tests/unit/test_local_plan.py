@@ -2,7 +2,7 @@ import argparse
 
 import pytest
 
-from persia.local import nn_thread_env, plan
+from persia.local import nn_thread_env, plan, server_roles
 
 
 def args(tmp_path, **kw):
@@ -27,6 +27,16 @@ def test_plan_starts_every_role_with_its_replica_env(tmp_path):
     assert all(r.env["EXTRA"] == "1" for r in roles)
     dl1 = roles[-1]
     assert dl1.argv[dl1.argv.index("--replica-size") + 1] == "2"
+
+
+@pytest.mark.parametrize("colocate", [False, True])
+def test_servers_started_from_a_ranked_process_take_no_rank_of_it(colocate):
+    """persia.helper starts servers from the user's process, which may be a torchrun rank."""
+    ranked = {"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "REPLICA_INDEX": "7", "KEEP": "x"}
+    roles = server_roles(["py"], ranked, 2, 2, colocate_ps=colocate)
+    assert [r.env["REPLICA_INDEX"] for r in roles] == (["0", "1"] if colocate else ["0", "1", "0", "1"])
+    assert all(r.env["KEEP"] == "x" and not {"RANK", "LOCAL_RANK", "WORLD_SIZE"} & r.env.keys() for r in roles)
+    assert ranked["RANK"] == "3"  # the caller's mapping is left as it was
 
 
 def test_nn_threads_default_to_measuring_from_the_share_of_the_cores():
