@@ -8,6 +8,7 @@ import os
 import pytest
 
 from persia.nats_server import NatsServer
+from tests.guards import environment_kept
 
 _job_counter = itertools.count()
 
@@ -60,30 +61,10 @@ def ieee_denormals_after_each_test():
                     "a FlushDenormals span started and never stopped", pytrace=False)
 
 
-# set by the libraries themselves: pytest (the running test), torch (its compile cache, at first use)
-_SET_BY_LIBRARIES = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
-
-
 @pytest.fixture(autouse=True)
 def environment_unchanged_after_each_test():
     """A variable a test leaves in ``os.environ`` reaches every later test and every process they
     start (a leaked ``LOCAL_RANK=1`` moved the online job's metrics ports by one, so two roles
-    asked for the same port, far from the cause). The test that leaked fails here, naming the
-    variables; the environment is put back so the rest of the session runs clean."""
-    def ours() -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k not in _SET_BY_LIBRARIES}
-
-    before = ours()
-    yield
-    after = ours()
-    if after == before:
-        return
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    for k in changed:
-        if k in before:
-            os.environ[k] = before[k]
-        else:
-            del os.environ[k]
-    pytest.fail("this test changed os.environ and left it so: " + ", ".join(
-        f"{k} {before.get(k, '(unset)')!r} -> {after.get(k, '(unset)')!r}" for k in changed)
-        + " (use monkeypatch.setenv / delenv)", pytrace=False)
+    asked for the same port, far from the cause): ``tests.guards.environment_kept``."""
+    with environment_kept():
+        yield

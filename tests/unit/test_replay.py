@@ -356,7 +356,8 @@ def test_a_lookup_threads_replay_runs_beside_other_threads_and_the_training_thre
     grads = np.full((n, DIM), 0.01, np.float32)
     args = kernels.optimizer_args(cfg) | {"weight_bound": BOUND}
     rows, state = np.zeros((n, DIM), np.float32), np.full((n, state_width(cfg, DIM)), 0.01, np.float32)
-    replica, done, touched, gbuf = np.zeros(n, np.uint16), np.zeros(1, bool), np.zeros(n, bool), np.empty(2 * DIM, np.float32)
+    replica, done, touched = np.zeros(n, np.uint16), np.zeros(1, bool), np.zeros(n, bool)
+    gbuf = np.empty(2 * DIM, np.float32)
 
     def longest_gap_in_a_call(release: bool) -> tuple[float, float]:
         """(the longest gap between the ticker's stamps around and inside the call, the call's CPU time)."""
