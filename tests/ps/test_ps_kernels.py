@@ -5,7 +5,6 @@ out of bounds."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ from persia.embedding_ps import (
 )
 from persia.embedding_ps import index as ix
 from persia.hashing import INTERNAL_SHARD_SALT, uniform_from_signs
+from tests.ticker import Ticker
 
 _kernels = kernels._kernels
 
@@ -226,25 +226,13 @@ def test_the_kernel_lets_other_threads_run_while_it_works():
     signs = np.arange(1, 200_001, dtype=np.uint64) * np.uint64(2654435761)
     store.lookup(signs, 16, True)
     batch = np.tile(signs, 15)  # 3M IDs: one call of tens of milliseconds
-    ticks: list[float] = []
-    started, done = threading.Event(), threading.Event()
-
-    def other():
-        started.set()
-        while not done.is_set():
-            ticks.append(time.perf_counter())
-
-    t = threading.Thread(target=other)
-    t.start()
-    started.wait(10)
-    begin = time.perf_counter()
-    out = store.lookup(batch, 16, False)
-    end = time.perf_counter()
-    done.set()
-    t.join(10)
+    with Ticker() as ticker:
+        begin = time.perf_counter()
+        out = store.lookup(batch, 16, False)
+        end = time.perf_counter()
     assert out.shape == (len(batch), 16) and np.any(out)
-    middle = [x for x in ticks if begin + 0.3 * (end - begin) < x < end - 0.3 * (end - begin)]
-    assert len(middle) > 100, (len(ticks), len(middle), end - begin)
+    middle = ticker.between(begin + 0.3 * (end - begin), end - 0.3 * (end - begin))
+    assert len(middle) > 100, (len(ticker.stamps), len(middle), end - begin)
 
 
 # -- arguments and safety -------------------------------------------------------------------------

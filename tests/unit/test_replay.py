@@ -29,6 +29,7 @@ from persia.embedding_worker import pipeline
 from persia.embedding_worker.pipeline import SlotSpec
 from persia.hashing import shard_of
 from persia.nn_worker.replay import SentUpdate, UpdateHistory, applied_tables, correct_table
+from tests.ticker import Ticker
 
 PREFIX_BIT = 8
 
@@ -360,24 +361,12 @@ def test_a_lookup_threads_replay_runs_beside_other_threads_and_the_training_thre
     gbuf = np.empty(2 * DIM, np.float32)
 
     def longest_gap_in_a_call(release: bool) -> tuple[float, float]:
-        """(the longest gap between the ticker's stamps around and inside the call, the call's CPU time)."""
-        stamps, stop, ticking = [], threading.Event(), threading.Event()
-
-        def tick():
-            ticking.set()
-            while not stop.is_set():
-                stamps.append(time.perf_counter())
-
-        ticker = threading.Thread(target=tick)
-        ticker.start()
-        ticking.wait()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        kernels.replay(rows, state, signs, replica, None, done, signs, grads, touched, args, gbuf, release)
-        cpu, t1 = time.thread_time() - c0, time.perf_counter()
-        stop.set()
-        ticker.join()
-        inside = [t0] + [s for s in stamps if t0 < s < t1] + [t1]
-        return max(b - a for a, b in zip(inside, inside[1:])), cpu
+        """(the longest time inside the call with no stamp of the ticker, the call's CPU time)."""
+        with Ticker() as ticker:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            kernels.replay(rows, state, signs, replica, None, done, signs, grads, touched, args, gbuf, release)
+            cpu, t1 = time.thread_time() - c0, time.perf_counter()
+        return ticker.longest_gap(t0, t1), cpu
 
     gap, cpu = longest_gap_in_a_call(False)
     assert gap >= 0.95 * cpu > 0, (gap, cpu)  # held: the ticker stood still for the whole call
