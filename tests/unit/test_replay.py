@@ -7,7 +7,6 @@ kernel and pure numpy) that apply the updates before a fresh read; ``UpdateHisto
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
