@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -25,6 +26,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+# gRPC binds servers with SO_REUSEPORT by default: a second role given a taken port would start
+# without an error and take part of the first one's connections.
+SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
 
 
 def _pack(obj: Any) -> bytes:
@@ -77,7 +81,7 @@ def serve(
     host: str = "0.0.0.0",
     max_workers: int = 8,
     tls: GrpcTls | None = None,
-) -> tuple[grpc.Server, int]:
+) -> tuple[Server, int]:
     """Start a gRPC server for ``methods`` (each ``fn`` or ``(fn, schema)``, ``fn(request) ->
     response``, the schema from :mod:`persia.messages`); returns the bound port.
 
@@ -104,20 +108,71 @@ def serve(
             handler, request_deserializer=_unpack_request, response_serializer=_pack
         )
 
-    server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="persia-grpc"),
-                         options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers(
-        [grpc.method_handlers_generic_handler(service, {n: wrap(n, f) for n, f in methods.items()})]
-    )
+    handlers = grpc.method_handlers_generic_handler(service, {n: wrap(n, f) for n, f in methods.items()})
+    server = start_server(handlers, host, port, tls, max_workers=max_workers, thread_name_prefix="persia-grpc")
+    return server, server.port
+
+
+class Server:
+    """A started gRPC server that owns its handler threads.
+
+    ``grpc.Server.stop`` leaves the executor it was given running, so a process that starts and
+    stops servers (``PersiaServiceCtx``, a model server, the tests) kept every pool's idle threads
+    until it exited. ``stop`` here shuts the pool down once the server has stopped.
+    """
+
+    def __init__(self, server: grpc.Server, executor: ThreadPoolExecutor, port: int):
+        self._server = server
+        self._executor = executor
+        self.port = port
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        """Stop as ``grpc.Server.stop`` does (the event is set once every call has ended); the
+        handler threads end after that. Calls already running finish; none can start."""
+        stopped = self._server.stop(grace)
+
+        def release() -> None:
+            stopped.wait()
+            self._executor.shutdown(wait=False)
+
+        if stopped.is_set():
+            release()
+        else:
+            threading.Thread(target=release, name="persia-grpc-release", daemon=True).start()
+        return stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._server.wait_for_termination(timeout)
+
+    def add_generic_rpc_handlers(self, handlers: list[grpc.GenericRpcHandler]) -> None:
+        """More services on the same port (``bench/rpc_call.py`` adds a raw stream beside ours)."""
+        self._server.add_generic_rpc_handlers(handlers)
+
+
+def start_server(
+    handlers: grpc.GenericRpcHandler,
+    host: str,
+    port: int,
+    tls: GrpcTls,
+    max_workers: int,
+    thread_name_prefix: str,
+) -> Server:
+    """Bind and start a server for ``handlers`` on ``host:port`` (0 picks a free port), with our
+    message size limits and, when ``tls`` is enabled, its credentials."""
+    executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+    server = grpc.server(executor, options=SERVER_OPTIONS)
+    server.add_generic_rpc_handlers([handlers])
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    if tls.enabled:
-        bound = server.add_secure_port(addr, tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(addr)
+    try:  # grpcio answers a failed bind with 0 in older releases, RuntimeError in newer ones
+        bound = server.add_secure_port(addr, tls.server_credentials()) if tls.enabled \
+            else server.add_insecure_port(addr)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind gRPC {service} to {host}:{port}")
+        executor.shutdown(wait=False)
+        raise OSError(f"cannot bind gRPC {handlers.service_name()} to {host}:{port} (port in use?)")
     server.start()
-    return server, bound
+    return Server(server, executor, bound)
 
 
 class Client:

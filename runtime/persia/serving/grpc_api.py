@@ -9,7 +9,6 @@ worker down UNAVAILABLE, timeout DEADLINE_EXCEEDED, other INTERNAL.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any
 
 import grpc
@@ -65,15 +64,8 @@ def start_grpc(server: Any, host: str, port: int, tls: GrpcTls | None = None):
             handler, request_deserializer=rpc._unpack_request, response_serializer=rpc._pack)
 
     tls = GrpcTls.from_env() if tls is None else tls
-    grpc_server = grpc.server(ThreadPoolExecutor(max_workers=max(8, server.config.workers * 4),
-                                                 thread_name_prefix="serve-grpc"),
-                              options=rpc.CHANNEL_OPTIONS)
-    grpc_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
-        SERVICE, {n: wrap(n, fn, schema) for n, (fn, schema) in methods.items()})])
-    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = grpc_server.add_secure_port(addr, tls.server_credentials()) if tls.enabled \
-        else grpc_server.add_insecure_port(addr)
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC {SERVICE} to {host}:{port}")
-    grpc_server.start()
-    return grpc_server, bound
+    handlers = grpc.method_handlers_generic_handler(
+        SERVICE, {n: wrap(n, fn, schema) for n, (fn, schema) in methods.items()})
+    grpc_server = rpc.start_server(handlers, host, port, tls, max_workers=max(8, server.config.workers * 4),
+                                   thread_name_prefix="serve-grpc")
+    return grpc_server, grpc_server.port

@@ -1,0 +1,88 @@
+"""A stopped gRPC server (``persia.rpc.Server``) lets the calls it was running finish and then ends
+its handler threads, with a real server and client on loopback. ``grpc.Server.stop`` alone left
+every server's thread pool idling until the process exited."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from persia import rpc
+from persia.security import GrpcTls
+
+from tests.polling import poll_until
+
+pytestmark = pytest.mark.integration
+
+
+def _handler_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("persia-grpc_")}
+
+
+def test_stop_ends_the_handler_threads_after_the_running_call_finishes():
+    before = _handler_threads()
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(request):
+        entered.set()
+        assert release.wait(10), "the test never released the call"
+        return {"echo": request["x"]}
+
+    server, port = rpc.serve("persia.Slow", {"Echo": lambda r: {"echo": r["x"]}, "Slow": slow},
+                             0, host="127.0.0.1", max_workers=4)
+    client = rpc.Client(f"127.0.0.1:{port}", "persia.Slow")
+    try:
+        with ThreadPoolExecutor(4) as pool:  # several calls at once, so the pool grows past one thread
+            answers = list(pool.map(lambda i: client.call("Echo", {"x": np.arange(i)}, timeout=10), range(8)))
+        assert [a["echo"].tolist() for a in answers] == [list(range(i)) for i in range(8)]
+        started = _handler_threads() - before
+        assert started, "the server ran its handlers on no thread of its own"
+
+        pending = client.future("Slow", {"x": np.arange(3)}, timeout=10)
+        assert entered.wait(10), "the slow call never reached its handler"
+        stopped = server.stop(grace=10)
+        assert not stopped.is_set(), "the server stopped with a call still running"
+        assert all(t.is_alive() for t in started & _handler_threads()), "threads ended under a running call"
+
+        release.set()
+        assert client.result("Slow", pending)["echo"].tolist() == [0, 1, 2]
+        assert stopped.wait(10), "the server did not stop once its last call ended"
+        poll_until(lambda: not (_handler_threads() - before), "the stopped server's handler threads end")
+    finally:
+        release.set()
+        client.close()
+        server.stop(None)
+
+
+def test_stop_without_grace_ends_an_idle_servers_threads():
+    before = _handler_threads()
+    server, port = rpc.serve("persia.Echo", {"Echo": lambda r: {"echo": r["x"]}}, 0, host="127.0.0.1")
+    client = rpc.Client(f"127.0.0.1:{port}", "persia.Echo")
+    try:
+        assert client.call("Echo", {"x": np.arange(2)}, timeout=10)["echo"].tolist() == [0, 1]
+        assert _handler_threads() - before
+    finally:
+        client.close()
+    assert server.stop(None).wait(10)
+    poll_until(lambda: not (_handler_threads() - before), "an idle stopped server's handler threads end")
+
+
+def test_a_port_that_cannot_be_bound_is_an_error_naming_the_service():
+    """gRPC binds with SO_REUSEPORT unless told not to: a second server on a taken port would
+    silently take half of the first one's connections."""
+    taken, port = rpc.serve("persia.First", {"Echo": lambda r: r}, 0, host="127.0.0.1")
+    try:
+        with pytest.raises(OSError, match="persia.Second.*127.0.0.1"):
+            rpc.start_server(_generic("persia.Second"), "127.0.0.1", port, GrpcTls(),
+                             max_workers=1, thread_name_prefix="persia-grpc")
+    finally:
+        taken.stop(None)
+
+
+def _generic(service: str):
+    import grpc
+
+    return grpc.method_handlers_generic_handler(service, {})
