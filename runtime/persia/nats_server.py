@@ -3,7 +3,8 @@
 By default it requires a user and password generated for this server alone: they are written to
 a config file readable only by us (mode 0600, in a private 0700 directory) and handed to clients
 through env (:meth:`NatsServer.client_env`), never through argv or the URL, so neither ``ps`` nor
-a log line shows them.
+a log line shows them. The directory is removed as soon as the server has reported its port (it
+reads its config once, at start): a launcher killed with SIGKILL leaves no credentials on disk.
 """
 
 from __future__ import annotations
@@ -45,6 +46,19 @@ def server_environ(environ: dict[str, str], go_max_procs: int | None) -> dict[st
     return env
 
 
+CONFIG_NAME = "nats.conf"
+
+
+def private_dir_with_config(text: str) -> Path:
+    """A new directory only we can enter (0700) holding ``text`` as :data:`CONFIG_NAME`, readable
+    only by us (0600) from the moment it exists."""
+    workdir = Path(tempfile.mkdtemp(prefix="persia-nats-"))  # mkdtemp: mode 0700
+    fd = os.open(workdir / CONFIG_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return workdir
+
+
 def find_nats_server() -> str:
     """The nats-server binary: beside this interpreter (venv bin/) or on PATH."""
     beside = Path(sys.executable).parent / "nats-server"
@@ -73,31 +87,36 @@ class NatsServer:
         self.url: str | None = None
         self.user = "persia" if auth else None
         self.password = secrets.token_hex(24) if auth else None
-        self._dir = tempfile.mkdtemp(prefix="persia-nats-")  # mode 0700
         self._proc: subprocess.Popen | None = None
         self._log_file = log_file
         self.extra_config = extra_config  # e.g. tls { ... } or nkey users (tests)
 
-    def start(self, deadline_s: float = 20.0) -> str:
-        conf = Path(self._dir) / "nats.conf"
+    def config_text(self) -> str:
+        """The server's config: the same at every (re)start, so a restart keeps the credentials."""
         text = f"max_payload: {self.max_payload}\n"
         if self.user:
             text += f'authorization {{\n  user: "{self.user}"\n  password: "{self.password}"\n}}\n'
-        text += self.extra_config
-        if not conf.exists():  # a restart reuses the config (and so the credentials) it wrote first
-            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+        return text + self.extra_config
+
+    def start(self, deadline_s: float = 20.0) -> str:
+        workdir = private_dir_with_config(self.config_text())
+        try:
+            return self._start_in(workdir, deadline_s)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _start_in(self, workdir: Path, deadline_s: float) -> str:
         out = self._log_file if self._log_file is not None else subprocess.DEVNULL
         from persia.procs import spawn
 
         # SIGKILL when we die: nothing of a job must outlive its launcher.
         self._proc = spawn(
-            [find_nats_server(), "-c", str(conf), "-a", self.host, "-p", str(self.port), "--ports_file_dir", self._dir],
+            [find_nats_server(), "-c", str(workdir / CONFIG_NAME), "-a", self.host, "-p", str(self.port),
+             "--ports_file_dir", str(workdir)],
             stdout=out, stderr=subprocess.STDOUT, parent_death_signal=signal.SIGKILL,
             env=server_environ(dict(os.environ), self.go_max_procs),
         )
-        ports_file = Path(self._dir) / f"nats-server_{self._proc.pid}.ports"
+        ports_file = workdir / f"nats-server_{self._proc.pid}.ports"
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self._proc.poll() is not None:
@@ -130,7 +149,7 @@ class NatsServer:
             self._proc.wait()
         return self.start(deadline_s)
 
-    def stop(self, remove_files: bool = True) -> None:
+    def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -138,8 +157,6 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        if remove_files:
-            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "NatsServer":
         self.start()

@@ -6,6 +6,7 @@ stop nothing."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import threading
 import time
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 from persia import messages as M
 from persia.bus import NatsBus, subject
 from persia.errors import RemoteError
+from persia.nats_server import CONFIG_NAME, NatsServer, private_dir_with_config
 from persia.nn_worker.datasets import StreamingDataset
 from persia.security import SIGNATURE_HEADER, NatsAuth, new_secret, sign
 from persia.wire.codec import decode, encode
@@ -42,11 +44,37 @@ def test_nats_credentials_stay_out_of_argv_and_other_users_files(nats_server):
     pid = nats_server._proc.pid
     argv = open(f"/proc/{pid}/cmdline", "rb").read().decode()
     assert nats_server.password not in argv
-    conf = next(p for p in os.listdir(nats_server._dir) if p.endswith(".conf"))
-    path = os.path.join(nats_server._dir, conf)
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(nats_server._dir).st_mode) == 0o700
     assert nats_server.password not in nats_server.url
+    # the config it started from, with the password, is gone once it serves: a launcher killed
+    # with SIGKILL leaves no credentials behind
+    words = argv.split("\0")
+    conf = words[words.index("-c") + 1]
+    assert not os.path.exists(conf) and not os.path.exists(os.path.dirname(conf)), conf
+
+
+def test_a_restart_keeps_the_port_and_credentials_and_leaves_no_config():
+    server = NatsServer()
+    try:
+        url = server.start()
+        server.restart()
+        assert server.url == url
+        bus = NatsBus(url, name="member", auth=NatsAuth(user=server.user, password=server.password), secret=b"")
+        bus.close()
+        words = open(f"/proc/{server.process.pid}/cmdline", "rb").read().decode().split("\0")
+        assert not os.path.exists(words[words.index("-c") + 1])
+    finally:
+        server.stop()
+
+
+def test_the_config_is_private_from_the_moment_it_exists():
+    workdir = private_dir_with_config('authorization { password: "s3cret" }')
+    try:
+        assert stat.S_IMODE(os.stat(workdir).st_mode) == 0o700
+        conf = workdir / CONFIG_NAME
+        assert stat.S_IMODE(os.stat(conf).st_mode) == 0o600
+        assert conf.read_text() == 'authorization { password: "s3cret" }'
+    finally:
+        shutil.rmtree(workdir)
 
 
 def _raw_request(bus: NatsBus, subj: str, payload: bytes, headers=None) -> dict:
