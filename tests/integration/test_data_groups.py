@@ -167,6 +167,38 @@ def test_a_held_batch_goes_alone_when_its_partner_is_late(persia_env, monkeypatc
     assert messages == {"forward": [(0,), (1,), (2,)], "batch": [(0,), (1,), (2,)]}  # each alone, after its hold
 
 
+def _switches(native_id: int) -> int:
+    with open(f"/proc/self/task/{native_id}/status") as f:
+        return sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+
+
+def test_the_hold_thread_sleeps_while_nothing_is_held(persia_env, monkeypatch):
+    """An idle loader (one waiting for its trainer) costs no CPU for the hold: with a hold of 20 ms
+    and nothing held, the hold thread is not woken. It had ticked every half hold, about 50 times in
+    this half second."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    monkeypatch.setenv("PERSIA_DATA_GROUP_HOLD_MS", "20")
+    woken: dict = {}
+
+    def one_group_then_idle(ctx, batches, errors, _trained):
+        ctx.send_data(batches[0])  # held: the hold thread starts
+        ctx.send_data(batches[1])  # the group goes; nothing is held from here
+        holder = ctx._holder
+        time.sleep(0.05)  # past batch 0's hold, when the thread's last deadline ran out
+        before = _switches(holder.native_id)
+        time.sleep(0.5)  # the window measured, not a synchronisation
+        woken["idle"] = _switches(holder.native_id) - before
+        ctx.send_data(batches[2])  # held again, and sent alone after its hold
+        end = time.monotonic() + 20
+        while 2 not in _trained and time.monotonic() < end:  # polled with a deadline
+            time.sleep(0.005)
+
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(3)], send=one_group_then_idle)
+    assert errors == [] and seen == [0, 1, 2]
+    assert messages == {"forward_group": [(0, 1)], "batch_group": [(0, 1)], "forward": [(2,)], "batch": [(2,)]}
+    assert woken["idle"] <= 2, f"the hold thread was woken {woken['idle']} times with nothing held"
+
+
 def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia_env, monkeypatch):
     """The hold thread sends a lone held batch the worker refuses: the loader's next ``send_data``
     raises that error before its own batch takes an id, so the caller may send it again."""

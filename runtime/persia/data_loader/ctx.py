@@ -87,9 +87,10 @@ class DataCtx(BaseCtx):
         self._groups = SendGroups(data_group_setting(os.environ))  # checked before anything is sent
         self._hold_s = hold_setting(os.environ)
         # guards the held batches; the sends themselves run outside it, so threads send in parallel
-        self._sending = threading.Condition()  # notified when the last send in flight ends
+        lock = threading.RLock()
+        self._sending = threading.Condition(lock)  # notified when the last send in flight ends
+        self._hold_wake = threading.Condition(lock)  # notified when a batch is held with none before it, and at close
         self._in_flight = 0  # sends under way outside the lock (send_data's, the hold thread's)
-        self._closing = threading.Event()  # ends the hold thread
         self._late: BaseException | None = None  # a send of the hold thread that failed, raised next
         self._holder: threading.Thread | None = None
         self.bus: NatsBus = shared_bus()
@@ -189,8 +190,11 @@ class DataCtx(BaseCtx):
                 # too large to share a message: whatever waits for its worker and rank goes first
                 groups = self._groups.take(worker, rank) + [[held]]
             else:
+                first_held = self._groups.oldest is None
                 group = self._groups.add(held)
                 groups = [] if group is None else [group]
+                if group is None and first_held:
+                    self._hold_wake.notify()  # the hold thread waits without a deadline while nothing is held
                 if group is None and self._holder is None:
                     self._holder = threading.Thread(target=self._send_overdue, name="persia-data-group-hold",
                                                     daemon=True)
@@ -219,25 +223,31 @@ class DataCtx(BaseCtx):
                     self._sending.notify_all()
 
     def _send_overdue(self) -> None:
-        """The hold thread: every half hold, send the groups whose first batch has waited a hold
-        (a loader that produces slowly is not held back by its group); stops at close. It reads
-        the oldest hold without the lock, so a tick with nothing due costs the sender nothing."""
-        while not self._closing.wait(self._hold_s / 2):
-            oldest = self._groups.oldest  # one attribute read: a stale value only delays a check by a tick
-            if oldest is None or time.monotonic() - oldest < self._hold_s:
-                continue
-            with self._sending:
-                if self._closed:
-                    return
-                due = self._groups.take_held_since(time.monotonic() - self._hold_s)
-                if not due:
-                    continue
-                self._in_flight += 1
+        """The hold thread: sends the groups whose first batch has waited a hold (a loader that
+        produces slowly is not held back by its group), until the close."""
+        while (due := self._next_overdue()) is not None:
             try:
                 self._send_in_flight(due)
             except Exception as exc:  # noqa: BLE001 - counted and logged; raised by the next call
                 with self._sending:
                     self._late = self._late or exc
+
+    def _next_overdue(self) -> list[list[HeldBatch]] | None:
+        """Wait for the next groups due (counted in flight), or None at the close. Sleeps until
+        the oldest held batch's hold ends, or without a deadline while nothing is held: an idle
+        loader (one waiting for a full NN rank) wakes this thread for no tick."""
+        with self._sending:
+            while not self._closed:
+                oldest = self._groups.oldest
+                left = None if oldest is None else oldest + self._hold_s - time.monotonic()
+                if left is None or left > 0:
+                    self._hold_wake.wait(left)
+                    continue
+                due = self._groups.take_held_since(time.monotonic() - self._hold_s)
+                if due:
+                    self._in_flight += 1
+                    return due
+            return None
 
     def _raise_late(self) -> None:
         """A send of the hold thread failed: raised from the next ``send_data`` (or the close)."""
@@ -357,9 +367,9 @@ class DataCtx(BaseCtx):
                 self._sending.wait()
             held = self._groups.drain()
             self._closed = True  # the hold thread takes nothing more
+            self._hold_wake.notify()
             if held:
                 self._in_flight += 1
-        self._closing.set()
         if self._holder is not None:
             self._holder.join()
         held_failed = None
