@@ -172,6 +172,19 @@ def _switches(native_id: int) -> int:
         return sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
 
 
+def _settled(native_id: int, quiet_s: float = 0.05, deadline_s: float = 10.0) -> int:
+    """The thread's switch count once it has not run for ``quiet_s`` (it sleeps in a wait)."""
+    end = time.monotonic() + deadline_s
+    last = _switches(native_id)
+    while time.monotonic() < end:
+        time.sleep(quiet_s)  # the quiet interval looked for, polled up to the deadline
+        now = _switches(native_id)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the hold thread kept waking for {deadline_s}s")
+
+
 def test_the_hold_thread_sleeps_while_nothing_is_held(persia_env, monkeypatch):
     """An idle loader (one waiting for its trainer) costs no CPU for the hold: with a hold of 20 ms
     and nothing held, the hold thread is not woken. It had ticked every half hold, about 50 times in
@@ -184,8 +197,7 @@ def test_the_hold_thread_sleeps_while_nothing_is_held(persia_env, monkeypatch):
         ctx.send_data(batches[0])  # held: the hold thread starts
         ctx.send_data(batches[1])  # the group goes; nothing is held from here
         holder = ctx._holder
-        time.sleep(0.05)  # past batch 0's hold, when the thread's last deadline ran out
-        before = _switches(holder.native_id)
+        before = _settled(holder.native_id)  # past batch 0's hold, when the thread's last deadline ran out
         time.sleep(0.5)  # the window measured, not a synchronisation
         woken["idle"] = _switches(holder.native_id) - before
         ctx.send_data(batches[2])  # held again, and sent alone after its hold
@@ -197,6 +209,32 @@ def test_the_hold_thread_sleeps_while_nothing_is_held(persia_env, monkeypatch):
     assert errors == [] and seen == [0, 1, 2]
     assert messages == {"forward_group": [(0, 1)], "batch_group": [(0, 1)], "forward": [(2,)], "batch": [(2,)]}
     assert woken["idle"] <= 2, f"the hold thread was woken {woken['idle']} times with nothing held"
+
+
+def test_a_batch_held_while_an_older_hold_runs_does_not_wake_the_hold_thread(persia_env, monkeypatch):
+    """A busy loader: its batches are held while the thread sleeps towards an older batch's hold
+    (or one hold past it, when the loader was busy meanwhile), which ends first, so none of them
+    wakes it (one wake a held batch would be 19 here)."""
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    monkeypatch.setenv("PERSIA_DATA_GROUP_HOLD_MS", "1000")
+    woken: dict = {}
+
+    def groups_in_a_row(ctx, batches, errors, _trained):
+        ctx.send_data(batches[0])
+        ctx.send_data(batches[1])
+        holder = ctx._holder
+        before, t0 = _settled(holder.native_id), time.monotonic()  # started, waiting for batch 0's hold
+        for b in batches[2:]:
+            ctx.send_data(b)
+        woken["busy"], woken["seconds"] = _switches(holder.native_id) - before, time.monotonic() - t0
+
+    seen, errors, messages = train_grouped(monkeypatch, [make_batch(i) for i in range(40)], send=groups_in_a_row,
+                                           forward_buffer_size=64)
+    assert errors == [] and seen == list(range(40))
+    assert messages["forward_group"] == [(i, i + 1) for i in range(0, 40, 2)] and "forward" not in messages
+    # at most the wake-up of batch 2 (when the thread had found nothing held) and each hold that
+    # ran out; a wake-up is up to three switches (the wait, the GIL, the lock)
+    assert woken["busy"] <= 3 * (2 + woken["seconds"]), woken
 
 
 def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia_env, monkeypatch):

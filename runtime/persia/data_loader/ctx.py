@@ -89,7 +89,9 @@ class DataCtx(BaseCtx):
         # guards the held batches; the sends themselves run outside it, so threads send in parallel
         lock = threading.RLock()
         self._sending = threading.Condition(lock)  # notified when the last send in flight ends
-        self._hold_wake = threading.Condition(lock)  # notified when a batch is held with none before it, and at close
+        self._hold_wake = threading.Condition(lock)  # wakes the hold thread from a wait without deadline, and at close
+        self._holder_idle = False  # the hold thread waits without a deadline (nothing was held)
+        self._holds = 0  # batches held so far: tells the hold thread whether the loader is busy
         self._in_flight = 0  # sends under way outside the lock (send_data's, the hold thread's)
         self._late: BaseException | None = None  # a send of the hold thread that failed, raised next
         self._holder: threading.Thread | None = None
@@ -190,11 +192,13 @@ class DataCtx(BaseCtx):
                 # too large to share a message: whatever waits for its worker and rank goes first
                 groups = self._groups.take(worker, rank) + [[held]]
             else:
-                first_held = self._groups.oldest is None
                 group = self._groups.add(held)
                 groups = [] if group is None else [group]
-                if group is None and first_held:
-                    self._hold_wake.notify()  # the hold thread waits without a deadline while nothing is held
+                if group is None:
+                    self._holds += 1
+                    if self._holder_idle:
+                        self._holder_idle = False  # one wake-up, however many are held before it runs
+                        self._hold_wake.notify()  # else it wakes by this batch's hold end anyway
                 if group is None and self._holder is None:
                     self._holder = threading.Thread(target=self._send_overdue, name="persia-data-group-hold",
                                                     daemon=True)
@@ -233,20 +237,33 @@ class DataCtx(BaseCtx):
                     self._late = self._late or exc
 
     def _next_overdue(self) -> list[list[HeldBatch]] | None:
-        """Wait for the next groups due (counted in flight), or None at the close. Sleeps until
-        the oldest held batch's hold ends, or without a deadline while nothing is held: an idle
-        loader (one waiting for a full NN rank) wakes this thread for no tick."""
+        """Wait for the next groups due (counted in flight), or None at the close.
+
+        Sleeps until the oldest held batch's hold ends. With nothing held, it waits one hold more
+        if batches were held since it last looked (a busy loader: a batch held meanwhile needs no
+        wake-up, its hold ends after that wait), else without a deadline until a batch is held.
+        A busy loader wakes it about once a hold, an idle one (waiting for a full NN rank) not at
+        all (it had ticked every half hold); no held batch waits past its hold."""
         with self._sending:
+            seen = self._holds
             while not self._closed:
                 oldest = self._groups.oldest
-                left = None if oldest is None else oldest + self._hold_s - time.monotonic()
-                if left is None or left > 0:
-                    self._hold_wake.wait(left)
-                    continue
-                due = self._groups.take_held_since(time.monotonic() - self._hold_s)
-                if due:
-                    self._in_flight += 1
-                    return due
+                if oldest is not None:
+                    left = oldest + self._hold_s - time.monotonic()
+                    if left > 0:
+                        self._hold_wake.wait(left)
+                        continue
+                    due = self._groups.take_held_since(time.monotonic() - self._hold_s)
+                    if due:
+                        self._in_flight += 1
+                        return due
+                elif self._holds != seen:
+                    seen = self._holds
+                    self._hold_wake.wait(self._hold_s)
+                else:
+                    self._holder_idle = True
+                    self._hold_wake.wait()
+                    self._holder_idle = False
             return None
 
     def _raise_late(self) -> None:
