@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from persia.bus import NatsBus, subject
+from persia.bus import NatsBus
 from persia.ctx import DataCtx, TrainCtx
 from persia.data import DataLoader, StreamingDataset
 from persia.data_loader import stream as loader_stream

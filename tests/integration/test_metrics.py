@@ -3,7 +3,6 @@
 import subprocess
 import sys
 import textwrap
-import urllib.request
 
 import pytest
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import kmock
 import kopf
-import pytest
 import pytest_asyncio
 import yaml
 

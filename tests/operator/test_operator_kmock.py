@@ -8,9 +8,8 @@ workload statuses that the StatefulSet/Job controllers and the kubelet would.
 
 from __future__ import annotations
 
-import pytest
 from operator_testkit import (
-    PJ, Cluster, attempt_of, evicted_pod_status, example_body, failed_pod_status, job_body, start_pods,
+    PJ, Cluster, attempt_of, example_body, failed_pod_status, job_body, start_pods,
     succeeded_pod_status, wait_for, workloads,
 )  # fmt: skip
 

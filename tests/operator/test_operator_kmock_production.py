@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from operator_testkit import Cluster, job_body, running_pod_status, start_pods, wait_for, workloads
+from operator_testkit import Cluster, job_body, start_pods, wait_for, workloads
 
 from persia_operator import constants as C
 

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import kubernetes_validate
 import pytest
-from operator_testkit import RUNNING, Sim, failed, job_body, observe, restarted
+from operator_testkit import RUNNING, Sim, failed, job_body
 
 from persia_operator import constants as C
 from persia_operator.children import Children, PodState, Termination

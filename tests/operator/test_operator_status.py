@@ -6,15 +6,14 @@ import copy
 from datetime import timedelta
 
 import pytest
-from operator_testkit import EVICTED, NOW, PENDING, RUNNING, Sim, failed, job_body, observe, restarted
+from operator_testkit import EVICTED, NOW, PENDING, Sim, failed, job_body, observe, restarted
 
 from persia_operator import constants as C
-from persia_operator.children import Children
 from persia_operator.conditions import derive_phase, timestamp
 from persia_operator.job import JobStatus, PersiaJob
 from persia_operator.render import render
 from persia_operator.spec import parse_spec
-from persia_operator.status import ChildError, ObservedJob, derive_status
+from persia_operator.status import ChildError
 
 def cond(status: JobStatus, type_: str) -> tuple[str, str]:
     c = status.condition(type_)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from array import array
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import OrderedDict
 from typing import Iterable
 
