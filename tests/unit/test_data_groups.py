@@ -135,6 +135,21 @@ def test_a_group_that_finds_no_room_answers_busy_and_keeps_what_it_queued():
     assert queued_ids(ds) == [1] and ds._state.delivered[0] == 2
 
 
+def test_a_rank_remembers_recent_batch_keys_only():
+    """A retried send is trained once while its key is remembered; the memory is bounded (it
+    was a set of every key of the run), the oldest keys forgotten first."""
+    from persia.recent_keys import RETRY_MEMORY, RecentKeys
+
+    ds = StreamingDataset(buffer_size=8)
+    assert isinstance(ds._state.seen, RecentKeys) and ds._state.seen.capacity == RETRY_MEMORY
+    ds._state.seen = RecentKeys(2)
+    for batch_id in (0, 1, 2):
+        assert ds._on_batch(dense_message(batch_id)) == {"queued": True}
+    assert ds._on_batch(dense_message(2)) == {"queued": True, "duplicate": True}  # remembered: once
+    assert ds._on_batch(dense_message(0)) == {"queued": True}  # forgotten: a new arrival
+    assert queued_ids(ds) == [0, 1, 2, 0] and len(ds._state.seen) == 2
+
+
 @pytest.mark.parametrize("raw, expected", [(None, 0.05), ("5", 0.005), ("1500.5", 1.5005)])
 def test_hold_setting(raw, expected):
     from persia.data_loader.grouping import hold_setting

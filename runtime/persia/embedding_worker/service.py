@@ -20,11 +20,12 @@ from persia.errors import INPUT_ERRORS, BatchLost, DiscoveryTimeout, TooManyWait
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
+from persia.recent_keys import RETRY_MEMORY
 
 log = logging.getLogger(__name__)
 
 SERVICE = "persia.EmbeddingWorker"
-_RECENT_KEYS = 100_000  # (loader, batch_id) -> ref, to answer retried sends idempotently
+_RECENT_KEYS = RETRY_MEMORY  # (loader, batch_id) -> ref, to answer retried sends idempotently
 GRPC_THREADS = 8
 MAX_WAITING_LOOKUPS = GRPC_THREADS // 2  # lookups waiting for ID features never hold every thread
 PS_SERVICE = "persia.EmbeddingParameterServer"

@@ -17,6 +17,7 @@ from persia.data_loader.resume import loader_count_error
 from persia import messages as M
 from persia.errors import DataLoaderFailed, PersiaError
 from persia.nn_worker.accounting import ACCOUNT
+from persia.recent_keys import RecentKeys
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class _RankStream:
     received: Counter = field(default_factory=Counter)  # (loader, epoch) -> batches arrived
     epochs_ended: dict[int, set] = field(default_factory=dict)
     final: set = field(default_factory=set)  # loaders whose stream ended
-    seen: set = field(default_factory=set)  # (loader, session, batch_id) arrived: a retried send is trained once
+    # (loader, session, batch_id) arrived lately: a retried send is trained once
+    seen: RecentKeys = field(default_factory=RecentKeys)
     next_epoch: int = 0  # the epoch the next per-epoch view iterates
     carry: list = field(default_factory=list)  # batches of a later epoch, left by a per-epoch view
     resume: dict | None = None  # the checkpoint this training session resumed (nn.info's "resume")

@@ -1,0 +1,42 @@
+"""How many recent message keys a receiver remembers to answer a retried send once.
+
+A data loader retries a send until its deadline (600 s by default), so a receiver needs the keys
+of that window, not of the whole run: remembered for ever, they grew without bound (an NN rank's
+set of every batch key it had seen: about 430 B a batch, some 1.5 GB a day at 36 batches a second).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Hashable, Iterator
+
+# 600 s of retries at 160 batches a second (batch 128 at 20k samples/s) per receiver
+RETRY_MEMORY = 100_000
+
+
+class RecentKeys:
+    """The last ``capacity`` keys added, the oldest forgotten first (O(1) a key)."""
+
+    def __init__(self, capacity: int = RETRY_MEMORY):
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._keys: OrderedDict[Hashable, None] = OrderedDict()
+
+    def add(self, key: Hashable) -> None:
+        self._keys[key] = None
+        self._keys.move_to_end(key)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+    def discard(self, key: Hashable) -> None:
+        self._keys.pop(key, None)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
