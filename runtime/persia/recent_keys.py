@@ -2,7 +2,7 @@
 
 A data loader retries a send until its deadline (600 s by default), so a receiver needs the keys
 of that window, not of the whole run: remembered for ever, they grew without bound (an NN rank's
-set of every batch key it had seen: about 430 B a batch, some 1.5 GB a day at 36 batches a second).
+set of every batch key it had seen: about 180 B a batch, half a GB a day at 36 batches a second).
 """
 
 from __future__ import annotations
