@@ -24,6 +24,16 @@ def test_a_key_added_again_counts_as_recent():
     assert list(keys) == ["a", "c"]
 
 
+def test_a_key_keeps_its_latest_value_until_it_is_forgotten():
+    refs = RecentKeys(2)
+    refs.add((0, "s", 1), 1001)
+    refs.add((0, "s", 1), 1002)  # added again: the newest value, still one key
+    refs.add((0, "s", 2), 1003)
+    assert refs.get((0, "s", 1)) == 1002 and len(refs) == 2
+    refs.add((0, "s", 3), 1004)
+    assert refs.get((0, "s", 1)) is None and refs.get((0, "s", 1), "gone") == "gone"
+
+
 def test_discard_forgets_a_key_and_ignores_an_unknown_one():
     keys = RecentKeys(2)
     keys.add((0, "s", 1))

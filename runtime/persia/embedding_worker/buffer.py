@@ -17,6 +17,7 @@ from collections import OrderedDict
 from typing import Any, Callable
 
 from persia.errors import BatchLost, TooManyWaiting
+from persia.recent_keys import RecentKeys
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,7 @@ class ExpiringBuffer:
         self._per_owner: dict[int, int] = {}
         self._next_ref = random.getrandbits(40) << 16  # random base: refs differ across restarts
         self.expired = 0
-        self._remember = remember
-        self._gone: OrderedDict[int, tuple[bool, str]] = OrderedDict()  # ref -> (lost, why)
+        self._gone = RecentKeys(remember) if remember else None  # ref -> (lost, why)
         self.max_waiters = max_waiters
         self._on_wait = on_wait
         self._waiting: dict[int, int] = {}  # ref -> takes waiting for it
@@ -97,14 +97,11 @@ class ExpiringBuffer:
 
     def _left(self, ref: int, lost: bool, why: str) -> None:
         """Remember that ``ref`` left the buffer (``lost``: it will never be looked up)."""
-        if self._remember:
-            self._gone[ref] = (lost, why)
-            self._gone.move_to_end(ref)
-            while len(self._gone) > self._remember:
-                self._gone.popitem(last=False)
+        if self._gone is not None:
+            self._gone.add(ref, (lost, why))
 
     def _check_gone(self, ref: int) -> None:
-        gone = self._gone.get(ref)
+        gone = None if self._gone is None else self._gone.get(ref)
         if gone is None:
             return
         lost, why = gone

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,12 +19,11 @@ from persia.errors import INPUT_ERRORS, BatchLost, DiscoveryTimeout, TooManyWait
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
-from persia.recent_keys import RETRY_MEMORY
+from persia.recent_keys import RETRY_MEMORY, RecentKeys
 
 log = logging.getLogger(__name__)
 
 SERVICE = "persia.EmbeddingWorker"
-_RECENT_KEYS = RETRY_MEMORY  # (loader, batch_id) -> ref, to answer retried sends idempotently
 GRPC_THREADS = 8
 MAX_WAITING_LOOKUPS = GRPC_THREADS // 2  # lookups waiting for ID features never hold every thread
 PS_SERVICE = "persia.EmbeddingParameterServer"
@@ -104,14 +102,14 @@ class EmbeddingWorker:
         # Bounded per data loader and in total: a sender that varies its loader id gets "busy" too.
         # Remembers the refs that left it, so that a lookup of one fails at once instead of waiting.
         self.forward_buffer = ExpiringBuffer("forward buffer", wc.forward_buffer_size, wc.buffered_data_expired_sec,
-                                             capacity_total=wc.forward_buffer_size, remember=_RECENT_KEYS,
+                                             capacity_total=wc.forward_buffer_size, remember=RETRY_MEMORY,
                                              max_waiters=MAX_WAITING_LOOKUPS,
                                              on_wait=lambda: self.metrics.inc("lookup_waited"))
         self.lookup_wait_s = float(wc.lookup_wait_sec)
         # One post-forward entry per in-flight training batch; bounded by staleness on the NN side,
         # so a generous cap only guards against a runaway client.
         self.post_buffer = ExpiringBuffer("post-forward buffer", 1 << 20, wc.buffered_data_expired_sec)
-        self._recent: OrderedDict[tuple, int] = OrderedDict()
+        self._recent = RecentKeys()  # (loader, session, batch_id) -> ref, to answer retried sends idempotently
         self._recent_lock = threading.Lock()
         self.metrics = Metrics("embedding_worker", replica_index)
         start_exporter()
@@ -189,15 +187,13 @@ class EmbeddingWorker:
         with self._recent_lock:
             if key[2] is not None and key in self._recent:
                 # a retry of a send whose reply was lost: same ref, not a second copy
-                return {"ref": self._recent[key], "worker": self.replica_index}
+                return {"ref": self._recent.get(key), "worker": self.replica_index}
             ref = self.forward_buffer.put(loader, req, ref=req.get("ref"))
             if ref is None:
                 self.metrics.inc("forward_busy")
                 return BUSY
             if key[2] is not None:
-                self._recent[key] = ref
-                while len(self._recent) > _RECENT_KEYS:
-                    self._recent.popitem(last=False)
+                self._recent.add(key, ref)
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
         return {"ref": ref, "worker": self.replica_index}
 
