@@ -64,6 +64,14 @@ class TooManyWaiting(PersiaError):
     grpc_status = "RESOURCE_EXHAUSTED"
 
 
+class ServersMisplaced(PersiaError):
+    """A static PS address list (``infer_config.servers``) that does not match the replicas
+    behind it: a replica at the wrong position, or a list of the wrong length. IDs would go to
+    replicas that do not own them and read as zeros, so nothing is looked up until it matches."""
+
+    grpc_status = "FAILED_PRECONDITION"
+
+
 def answered_with(exc: BaseException, error: type[PersiaError]) -> bool:
     """Whether ``exc`` is a peer's answer carrying ``error`` (it travels as its ``grpc_status``)."""
     return isinstance(exc, RemoteError) and exc.kind == getattr(error, "grpc_status", None)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import grpc
 
-from persia.errors import INPUT_ERRORS, BatchLost, RemoteError, TooManyWaiting
+from persia.errors import INPUT_ERRORS, BatchLost, RemoteError, ServersMisplaced, TooManyWaiting
 from persia.messages import MessageError, validate
 from persia.security import GrpcTls
 from persia.wire.codec import decode, encode
@@ -29,6 +29,14 @@ CHANNEL_OPTIONS = [
 # gRPC binds servers with SO_REUSEPORT by default: a second role given a taken port would start
 # without an error and take part of the first one's connections.
 SERVER_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]
+# A channel whose server is not up yet (an inference PS loading its checkpoint, a role restarting)
+# retries the connection with a backoff that grows to 120 s by default: the peer would stay
+# unreachable for up to two minutes after it came up. Capped at 2 s, a few connects a second at most.
+CLIENT_OPTIONS = CHANNEL_OPTIONS + [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 def _pack(obj: Any) -> bytes:
@@ -67,7 +75,7 @@ def error_status(exc: Exception) -> tuple[str, str]:
     Shared by the gRPC server and the in-process client of a colocated PS, so both answer alike."""
     if isinstance(exc, MessageError):
         return "INVALID_ARGUMENT", str(exc)
-    if isinstance(exc, (BatchLost, TooManyWaiting)):
+    if isinstance(exc, (BatchLost, TooManyWaiting, ServersMisplaced)):
         return exc.grpc_status, f"{type(exc).__name__}: {exc}"
     if isinstance(exc, INPUT_ERRORS):
         return "INVALID_ARGUMENT", f"{type(exc).__name__}: {exc}"
@@ -183,12 +191,12 @@ class Client:
         self.service = service
         tls = GrpcTls.from_env() if tls is None else tls
         if tls.enabled:
-            options = list(CHANNEL_OPTIONS)
+            options = list(CLIENT_OPTIONS)
             if os.environ.get("PERSIA_GRPC_TLS_SERVER_NAME"):  # when certificates name a service, not the pod IP
                 options.append(("grpc.ssl_target_name_override", os.environ["PERSIA_GRPC_TLS_SERVER_NAME"]))
             self._channel = grpc.secure_channel(address, tls.channel_credentials(), options=options)
         else:
-            self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._methods: dict[str, Any] = {}
 
     def _method(self, name: str):

@@ -5,15 +5,18 @@ every server's thread pool idling until the process exited."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from persia import rpc
+from persia.errors import RemoteError
 from persia.security import GrpcTls
 
 from tests.polling import poll_until
+from tests.ports import free_ports
 
 pytestmark = pytest.mark.integration
 
@@ -86,3 +89,33 @@ def _generic(service: str):
     import grpc
 
     return grpc.method_handlers_generic_handler(service, {})
+
+
+def test_a_client_reaches_a_server_that_came_up_late_within_seconds():
+    """A client that kept failing to connect (its server loading a checkpoint, restarting) reaches
+    the server within about 2 s of it coming up: gRPC's reconnect backoff grows to 120 s by
+    default, and after 10 s of failures it would wait about 6 s more."""
+    port = free_ports(1)
+    client = rpc.Client(f"127.0.0.1:{port}", "persia.Late")
+    server = None
+    try:
+        failing_until = time.monotonic() + 10.0
+        while time.monotonic() < failing_until:  # the channel's backoff grows while nothing listens
+            with pytest.raises(RemoteError):
+                client.call("Echo", {"x": 1}, timeout=0.5)
+            time.sleep(0.2)
+        server, _ = rpc.serve("persia.Late", {"Echo": lambda r: {"echo": r["x"]}}, port, host="127.0.0.1")
+        up = time.monotonic()
+
+        def answers() -> bool:
+            try:
+                return client.call("Echo", {"x": 7}, timeout=0.5)["echo"] == 7
+            except RemoteError:
+                return False
+
+        poll_until(answers, "the client reaches the late server", deadline_s=10)
+        assert time.monotonic() - up < 4.0, "the client waited out a long reconnect backoff"
+    finally:
+        client.close()
+        if server is not None:
+            server.stop(None)

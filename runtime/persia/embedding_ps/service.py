@@ -49,7 +49,7 @@ class EmbeddingParameterServer:
         self.metrics = Metrics("embedding_parameter_server", replica_index)
         if start_exporter() is not None:
             register_stats("embedding_parameter_server", replica_index,
-                           lambda: {k: v for k, v in self.stats().items() if k != "replica_index"})
+                           lambda: {k: v for k, v in self.stats().items() if k not in ("replica_index", "replica_size")})
         self._configured = False
         self._optimizer = None
         self._status = {"state": "idle", "error": None}
@@ -69,13 +69,16 @@ class EmbeddingParameterServer:
             "Step": (self.step, M.PsStep),
             "Stats": (lambda _r: self.stats(), M.NoPayload),
         }
-        self._server, self.port = rpc.serve(SERVICE, self.methods, port, host=host, max_workers=8)
-        self.address = f"{advertise_host or host}:{self.port}"
         ic = global_config.common_config.infer_config
         self.applier = None
-        if global_config.common_config.job_type == "Infer":
-            if ic.embedding_checkpoint:
-                self._load_dir(Path(ic.embedding_checkpoint))  # from the config, not the network
+        infer = global_config.common_config.job_type == "Infer"
+        if infer and ic.embedding_checkpoint:
+            # before the port opens: a lookup during the load would read the rows not loaded yet as
+            # zeros, and the pod's readiness (its port) would say it serves
+            self._load_dir(Path(ic.embedding_checkpoint))  # from the config, not the network
+        self._server, self.port = rpc.serve(SERVICE, self.methods, port, host=host, max_workers=8)
+        self.address = f"{advertise_host or host}:{self.port}"
+        if infer:
             self._configured = True
             if pc.incremental_dir and pc.enable_incremental_update:
                 # PERSIA's inference PS scans the training PS's incremental dumps every 10 s;
@@ -197,6 +200,7 @@ class EmbeddingParameterServer:
     def stats(self) -> dict:
         out = dict(self.store.stats())
         out["replica_index"] = self.replica_index
+        out["replica_size"] = self.replica_size
         applier, dumper = getattr(self, "applier", None), getattr(self, "incremental", None)  # early scrapes
         if applier is not None:  # inference PS: how fresh the served embeddings are
             out["incremental_packets_applied"] = len(applier.applied)

@@ -15,7 +15,7 @@ from persia.bus import BUSY, NatsBus, subject
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
 from persia.embedding_worker.colocated import InProcessPs
-from persia.errors import INPUT_ERRORS, BatchLost, DiscoveryTimeout, TooManyWaiting
+from persia.errors import INPUT_ERRORS, BatchLost, DiscoveryTimeout, ServersMisplaced, TooManyWaiting
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
@@ -68,6 +68,20 @@ def discover(bus: NatsBus, service: str, deadline_s: float) -> list[dict]:
                 f"expected {i}/{size}: two replicas share an index?"
             )
     return out
+
+
+def servers_mismatch(addresses: list[str], answers: list[dict]) -> str | None:
+    """Why a static PS address list (``infer_config.servers``) does not match the replicas that
+    answer at those addresses, or None when it does (pure). Replica ``i`` owns the IDs that shard
+    to ``i``: a list in another order, or of another length, would look IDs up where they are not
+    and read them as zeros."""
+    for i, (address, answer) in enumerate(zip(addresses, answers)):
+        index, size = answer.get("replica_index"), answer.get("replica_size")
+        if index != i or (size is not None and size != len(addresses)):
+            of = "" if size is None else f" of {size}"
+            return (f"infer_config.servers[{i}] = {address!r} is PS replica {index}{of}, but the list puts it at "
+                    f"position {i} of {len(addresses)}: list the inference PS replicas in replica order, all of them")
+    return None
 
 
 def _replay(req: dict, train: bool) -> dict | None:
@@ -124,12 +138,15 @@ class EmbeddingWorker:
                 "Step": (self.step, M.WorkerStep),
                 "Release": (self.release, M.WorkerRelease),
                 "Stats": (lambda _req: self.stats(), M.NoPayload),
+                "Ready": (lambda _req: self.ready(), M.NoPayload),
             },
             port,
             host="0.0.0.0" if host == "0.0.0.0" else host,
             max_workers=GRPC_THREADS,
         )
         self.address = f"{advertise_host or host}:{self.port}"
+        # discovery checks each replica's index; a static list is checked before its first use
+        self._ps_checked = ps_addresses is None
         if ps_addresses is None:
             if bus is None:
                 raise ValueError("embedding worker needs either a NATS bus or a static PS address list")
@@ -202,6 +219,8 @@ class EmbeddingWorker:
         """``method`` on every PS replica with a request (None: skip it), in parallel; the replies
         in replica order. One replica is called directly: a gRPC future costs about twice the CPU
         of a blocking call (channel-managed call plus a hand-off), for nothing to overlap with."""
+        if not self._ps_checked:
+            self._check_servers()
         live = [s for s, r in enumerate(requests) if r is not None]
         if len(live) == 1:
             s = live[0]
@@ -435,6 +454,27 @@ class EmbeddingWorker:
                 continue
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
         return {"released": released}
+
+    def _check_servers(self) -> None:
+        """Raises ``ServersMisplaced`` unless every PS of the static list is the replica its
+        position says; a replica that does not answer raises its own error."""
+        answers = [ps.call("Stats", None, timeout=2.0) for ps in self.ps]
+        problem = servers_mismatch([ps.address for ps in self.ps], answers)
+        if problem is not None:
+            raise ServersMisplaced(problem)
+        self._ps_checked = True
+
+    def ready(self) -> dict:
+        """Whether lookups can be answered: every PS replica answers (an inference PS opens its port
+        once its checkpoint is loaded) and is the replica its position says. What the model
+        server's readiness and ``InferCtx.wait_for_serving`` ask (PERSIA's ``ready_for_serving``)."""
+        try:
+            self._check_servers()
+        except ServersMisplaced as exc:
+            return {"ready": False, "misplaced": True, "why": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - a PS not up yet (loading) is an answer here, not a failure
+            return {"ready": False, "misplaced": False, "why": f"{type(exc).__name__}: {exc}"}
+        return {"ready": True, "misplaced": False, "why": f"{len(self.ps)} PS replicas answer"}
 
     def stats(self) -> dict:
         return {

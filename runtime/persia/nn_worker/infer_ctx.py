@@ -6,6 +6,7 @@ import time
 
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
 from persia.embedding_worker.service import discover
+from persia.errors import ServersMisplaced
 from persia.nn_worker.embedding_ctx import EmbeddingCtx, PreprocessMode
 from persia.rpc import Client
 
@@ -25,16 +26,24 @@ class InferCtx(EmbeddingCtx):
             self.model.to(self.device)
 
     def wait_for_serving(self, deadline_s: float = 300.0) -> None:
+        """Until every embedding worker can look up: its PS replicas answer (an inference PS opens
+        its port once its checkpoint is loaded). A static PS list in the wrong order raises at once;
+        anything else still failing at the deadline raises ``TimeoutError`` saying why."""
         end = time.monotonic() + deadline_s
         for c in self._workers:
             while True:
                 try:
-                    c.call("Stats", None, timeout=2.0)
+                    answer = c.call("Ready", None, timeout=3.0)
+                except Exception as exc:  # noqa: BLE001 - the worker not up yet
+                    answer = {"ready": False, "misplaced": False, "why": f"{type(exc).__name__}: {exc}"}
+                if answer["ready"]:
                     break
-                except Exception:  # noqa: BLE001
-                    if time.monotonic() > end:
-                        raise
-                    time.sleep(0.2)
+                if answer["misplaced"]:
+                    raise ServersMisplaced(f"embedding worker {c.address}: {answer['why']}")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"embedding worker {c.address} not serving after {deadline_s:g} s: "
+                                       f"{answer['why']}")
+                time.sleep(0.2)
 
     def wait_servers_ready(self) -> None:
         """InferCtx has no PS to wait for: its embedding workers answering is ready."""

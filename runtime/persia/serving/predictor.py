@@ -61,7 +61,8 @@ class Predictor:
         return out
 
     def readiness(self, max_age_s: float = 1.0) -> tuple[bool, str]:
-        """(ready, why): a model is loaded and every embedding worker answers (cached ``max_age_s``)."""
+        """(ready, why): a model is loaded and every embedding worker can look up: its PS replicas
+        answer, each the replica its position says (cached ``max_age_s``)."""
         with self._ready_lock:
             if time.monotonic() - self._ready_at < max_age_s:
                 return self._ready
@@ -71,9 +72,12 @@ class Predictor:
                 self._ready = (True, "ready")
                 for client in self.ctx._workers:
                     try:
-                        client.call("Stats", None, timeout=1.0)
+                        answer = client.call("Ready", None, timeout=3.0)
                     except Exception as exc:  # noqa: BLE001
                         self._ready = (False, f"embedding worker {client.address}: {exc}")
+                        break
+                    if not answer["ready"]:
+                        self._ready = (False, f"embedding worker {client.address}: {answer['why']}")
                         break
             self._ready_at = time.monotonic()
             return self._ready
