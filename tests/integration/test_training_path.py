@@ -184,6 +184,51 @@ def test_loading_an_unfinished_checkpoint_is_refused(persia_env, tmp_path):
                 ctx.load_checkpoint(str(tmp_path / "partial"))
 
 
+def test_a_dump_that_fails_midway_leaves_no_directory_that_reads_as_a_checkpoint(persia_env, tmp_path):
+    """Dumping again into a checkpoint's directory overwrites its dense files first; a dump that
+    fails after that (here the TorchScript export of a model that does not script) must not leave
+    the old done marker beside the new dense files, a whole checkpoint to every reader but one
+    mixing two points of training."""
+    model = Model()
+    with cluster():
+        train(model, 4, staleness=1)
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            ctx.dump_checkpoint(str(tmp_path / "ckpt"))
+            ctx.load_checkpoint(str(tmp_path / "ckpt"))  # whole
+            with pytest.raises(Exception) as failed:  # noqa: PT011 - whatever TorchScript raises
+                ctx.dump_checkpoint(str(tmp_path / "ckpt"), with_jit_model=True)
+            assert not isinstance(failed.value, FileNotFoundError)
+            with pytest.raises(FileNotFoundError, match="no embedding_dump_done marker"):
+                ctx.load_checkpoint(str(tmp_path / "ckpt"))
+            ctx.dump_checkpoint(str(tmp_path / "ckpt"))  # a dump that finishes makes it whole again
+            ctx.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_a_checkpoint_without_its_dense_file_is_refused_and_without_its_optimizer_file_warned(
+        persia_env, tmp_path, caplog):
+    """PERSIA skipped a dense file that was not there and kept the model as it was: a typo in
+    ``dense_model_filename`` loaded the embeddings beside an untrained model. The optimizer file
+    may be missing (an eval context's checkpoint has none): the dense optimizer starts afresh, said
+    in the log."""
+    model = Model()
+    with cluster():
+        train(model, 4, staleness=1)
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            ctx.dump_checkpoint(str(tmp_path / "ckpt"))
+            rows = ctx.get_embedding_size()
+            ctx.clear_embeddings()
+            with pytest.raises(FileNotFoundError, match=r"dense_model\.pt: no dense model file \(dense_filename 'dense_model\.pt'\)"):
+                ctx.load_checkpoint(str(tmp_path / "ckpt"), dense_model_filename="dense_model.pt")
+            assert sum(ctx.get_embedding_size()) == 0, "embeddings were loaded beside a refused dense file"
+            (tmp_path / "ckpt" / "opt.pt").unlink()
+            with caplog.at_level("WARNING", logger="persia.nn_worker.train_ctx"):
+                ctx.load_checkpoint(str(tmp_path / "ckpt"))
+            assert ctx.get_embedding_size() == rows
+            assert any("no dense optimizer file (opt_filename 'opt.pt')" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("staleness, warmup", [(1, 0), (3, 0), (3, 5)])
 def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, staleness, warmup):
     with cluster(num_ps=1, num_workers=2) as servers:

@@ -19,6 +19,30 @@ EMBEDDING_DUMP_DONE = "embedding_dump_done"
 CHECKPOINT_FORMAT = "persia-k8s-checkpoint/1"
 
 
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` then a rename onto ``path``: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def begin_dump(directory: Path) -> None:
+    """A dump into ``directory`` starts by removing its done marker, before any file is
+    overwritten: until the dump's last step writes the marker again, the directory reads as
+    unfinished, never as a whole checkpoint mixing new dense files with old embeddings."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / EMBEDDING_DUMP_DONE).unlink(missing_ok=True)
+
+
+def require_whole(directory: Path) -> None:
+    """Raises unless ``directory`` holds a finished dump (its done marker): checked before any of
+    its files is read."""
+    if not (directory / EMBEDDING_DUMP_DONE).exists():
+        raise FileNotFoundError(
+            f"{directory}: no {EMBEDDING_DUMP_DONE} marker: not an embedding checkpoint, or its dump did not finish"
+        )
+
+
 class EmbeddingCheckpoints:
     """Checkpoint methods of ``EmbeddingCtx`` (needs ``_ps_all``, ``model``, ``device``)."""
 
@@ -35,19 +59,18 @@ class EmbeddingCheckpoints:
     def dump_embedding(self, dst_dir: str, blocking: bool = True) -> None:
         """Every PS writes its own shard files; then a top-level done marker says the dump is whole."""
         directory = self._local_dir(dst_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        begin_dump(directory)
         self._wait_for_updates()
 
         def run():
-            marker = directory / EMBEDDING_DUMP_DONE
-            marker.unlink(missing_ok=True)
             results = self._ps_all("dump", {"dir": str(directory.resolve())})
-            marker.write_text(json.dumps({
+            marker = json.dumps({
                 "format": CHECKPOINT_FORMAT,
                 "num_shards": len(results),
                 "rows": [r["rows"] for r in results],
                 "datetime": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-            }))
+            })
+            write_atomically(directory / EMBEDDING_DUMP_DONE, lambda tmp: tmp.write_text(marker))
 
         self._run_maybe_async(run, blocking, "dump")
 
@@ -75,11 +98,7 @@ class EmbeddingCheckpoints:
         nothing live has changed. Then the dense parts (already validated) are applied and every
         replica commits (a swap). Replaces PERSIA's load, where a refusing replica left the others,
         and the dense model, switched."""
-        marker = directory / EMBEDDING_DUMP_DONE
-        if not marker.exists():
-            raise FileNotFoundError(
-                f"{directory}: no {EMBEDDING_DUMP_DONE} marker: not an embedding checkpoint, or its dump did not finish"
-            )
+        require_whole(directory)
 
         def run():
             staged = self._ps_each("stage", {"dir": str(directory.resolve())})
@@ -143,19 +162,24 @@ class EmbeddingCheckpoints:
                         jit_dense_filename: str = "jit_dense.pt", blocking: bool = True,
                         with_jit_model: bool = False) -> None:
         directory = self._local_dir(dst_dir)
-        directory.mkdir(parents=True, exist_ok=True)
+        begin_dump(directory)
         if self.model is not None:
             dense = self._dense_module()
-            torch.save(dense.state_dict(), directory / dense_filename)
+            write_atomically(directory / dense_filename, lambda tmp: torch.save(dense.state_dict(), tmp))
             if with_jit_model:
-                torch.jit.save(torch.jit.script(dense), str(directory / jit_dense_filename))
+                scripted = torch.jit.script(dense)
+                write_atomically(directory / jit_dense_filename, lambda tmp: torch.jit.save(scripted, str(tmp)))
         self.dump_embedding(str(directory), blocking)
 
     def _dense_loader(self, directory: Path, dense_filename: str, map_location) -> list[Callable[[], None]]:
-        """Read and validate the dense model file; returns what applies it (nothing live changes here)."""
+        """Read and validate the dense model file; returns what applies it (nothing live changes here).
+        A missing file is an error (PERSIA skipped it and kept the model as it was)."""
         dense_path = directory / dense_filename
-        if self.model is None or not dense_path.exists():
+        if self.model is None:
             return []
+        if not dense_path.is_file():
+            raise FileNotFoundError(f"{dense_path}: no dense model file (dense_filename {dense_filename!r}); "
+                                    "nothing was loaded. load_embedding() loads the embeddings alone")
         module = self._dense_module()
         state = torch.load(dense_path, map_location=map_location or self.device, weights_only=True)
         check_state_dict(module.state_dict(), state, dense_path)
@@ -164,6 +188,7 @@ class EmbeddingCheckpoints:
     def load_checkpoint(self, src_dir: str, map_location: str | None = None,
                         dense_filename: str = "dense.pt", blocking: bool = True) -> None:
         directory = self._local_dir(src_dir)
+        require_whole(directory)
         self._load_all_or_nothing(directory, self._dense_loader(directory, dense_filename, map_location), blocking)
 
     def dump_torch_state_dict(self, torch_instance, dst_dir: str, file_name: str, is_jit: bool = False) -> None:
@@ -171,14 +196,11 @@ class EmbeddingCheckpoints:
         ``is_jit`` the module as TorchScript. Written under a temporary name, then renamed."""
         directory = self._local_dir(dst_dir)
         directory.mkdir(parents=True, exist_ok=True)
-        path = directory / file_name
-        tmp = directory / f".{file_name}.tmp"
         if is_jit:
             scripted = torch_instance if isinstance(torch_instance, torch.jit.ScriptModule) else torch.jit.script(torch_instance)
-            torch.jit.save(scripted, str(tmp))
+            write_atomically(directory / file_name, lambda tmp: torch.jit.save(scripted, str(tmp)))
         else:
-            torch.save(torch_instance.state_dict(), tmp)
-        os.replace(tmp, path)
+            write_atomically(directory / file_name, lambda tmp: torch.save(torch_instance.state_dict(), tmp))
 
     def load_torch_state_dict(self, torch_instance, src_dir: str, map_location: str | None = None) -> None:
         """PERSIA's: ``src_dir`` is the file ``dump_torch_state_dict`` wrote (tensors only: no

@@ -25,7 +25,7 @@ from persia.nn_worker.embedding_ctx import (
 )
 from persia.nn_worker.progress import TrainingProgress
 from persia.nn_worker import checkpoint_plan
-from persia.nn_worker.checkpoint import check_optimizer_state
+from persia.nn_worker.checkpoint import begin_dump, check_optimizer_state, require_whole, write_atomically
 from persia.nn_worker.cpu_placement import TrainingPlacement
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
@@ -599,8 +599,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                         blocking: bool = True, with_jit_model: bool = False) -> None:
         self._wait_for_updates()
         directory = self._local_dir(dst_dir)
-        directory.mkdir(parents=True, exist_ok=True)
-        torch.save(self.dense_optimizer.state_dict(), directory / opt_filename)
+        begin_dump(directory)
+        optimizer_state = self.dense_optimizer.state_dict()
+        write_atomically(directory / opt_filename, lambda tmp: torch.save(optimizer_state, tmp))
         super().dump_checkpoint(str(directory), dense_model_filename, jit_dense_model_filename, blocking, with_jit_model)
 
     def load_checkpoint(self, src_dir: str, map_location: str | None = None, dense_model_filename: str = "dense.pt",
@@ -609,6 +610,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         validated, and every PS replica has staged its rows, before anything live changes."""
         self._wait_for_updates()
         directory = self._local_dir(src_dir)
+        require_whole(directory)
         appliers = self._dense_appliers(directory, dense_model_filename, opt_filename, map_location)
         self._load_all_or_nothing(directory, appliers, blocking)
 
@@ -616,7 +618,10 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         """Read and validate the dense model and optimizer files; returns what applies them."""
         appliers = self._dense_loader(directory, dense_filename, map_location)
         opt_path = directory / opt_filename
-        if opt_path.exists():
+        if not opt_path.is_file():  # a checkpoint an eval or inference context wrote has none
+            log.warning("%s: no dense optimizer file (opt_filename %r): the dense optimizer starts afresh",
+                        opt_path, opt_filename)
+        else:
             opt_state = torch.load(opt_path, map_location=map_location or self.device, weights_only=True)
             check_optimizer_state(self.dense_optimizer, opt_state, opt_path)
             appliers.append(lambda: self.dense_optimizer.load_state_dict(opt_state))
