@@ -122,6 +122,7 @@ def run_nn_worker(args) -> int:
     """Spawn ``nproc_per_node`` ranks (like torch.distributed.launch) and supervise them:
     if one fails, the others are stopped and its exit code is returned."""
     path = _require(args.filepath, "FILEPATH", "PERSIA_NN_WORKER_ENTRY")
+    _metrics_config_from_env()  # before the rendezvous: a bad config fails before taking an index
     args.node_rank = _rendezvous_index("nn", args.node_rank, args.nnodes)
     _check_replica(args.node_rank, args.nnodes, "nn-worker node")
     if args.nproc_per_node < 1:
@@ -183,6 +184,7 @@ def _supervise(procs: list[subprocess.Popen], names: list[str] | None = None) ->
 
 def run_data_loader(args) -> int:
     path = _require(args.filepath, "FILEPATH", "PERSIA_DATALOADER_ENTRY")
+    _metrics_config_from_env()
     args.replica_index = _rendezvous_index("dl", args.replica_index, args.replica_size)
     _check_replica(args.replica_index, args.replica_size, "data loader")
     env = dict(os.environ, REPLICA_INDEX=str(args.replica_index), REPLICA_SIZE=str(args.replica_size))
@@ -254,14 +256,31 @@ def _serve_forever(role: str, start) -> int:
 
 def _load_configs(args, need_embedding: bool):
     from persia.config import GlobalConfig, load_embedding_config, load_global_config
+    from persia.metrics import configure_from
 
     gc = load_global_config(args.global_config) if args.global_config else GlobalConfig()
-    if gc.common_config.metrics_config.enable_metrics:
-        os.environ.setdefault("PERSIA_METRICS_PORT", "9090")
+    configure_from(gc.common_config.metrics_config)
     ec = None
     if need_embedding:
         ec = load_embedding_config(_require(args.embedding_config, "--embedding-config", "PERSIA_EMBEDDING_CONFIG"))
     return gc, ec
+
+
+def _metrics_config_from_env() -> None:
+    """``metrics_config`` for the roles without ``--global-config`` (the NN worker, the data
+    loader): read from ``PERSIA_GLOBAL_CONFIG`` before their processes start, so that
+    ``enable_metrics`` and ``job_name`` reach them as they reach the servers (``_load_configs``)."""
+    from persia.config import ConfigError, load_global_config
+    from persia.metrics import configure_from
+
+    path = os.environ.get("PERSIA_GLOBAL_CONFIG")
+    if not path:
+        return
+    try:
+        gc = load_global_config(path)
+    except (ConfigError, OSError) as exc:
+        raise SystemExit(f"persia-launcher: PERSIA_GLOBAL_CONFIG: {exc}") from None
+    configure_from(gc.common_config.metrics_config)
 
 
 def _bind_host() -> str:

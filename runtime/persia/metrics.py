@@ -2,7 +2,8 @@
 
 Counters always exist (tests and logs read them); the HTTP exporter starts only when
 ``PERSIA_METRICS_PORT`` is set or ``metrics_config.enable_metrics`` is true, so a local run does not
-spam warnings the way PERSIA's push-gateway client did.
+spam warnings the way PERSIA's push-gateway client did. Every series carries ``role``, ``replica``
+and ``persia_job`` (:func:`job_label`).
 """
 
 from __future__ import annotations
@@ -11,15 +12,54 @@ import logging
 import os
 import threading
 from collections import defaultdict
+from typing import TYPE_CHECKING, Mapping, MutableMapping
+
+if TYPE_CHECKING:
+    from persia.config import MetricsConfig
 
 log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                    60.0, 300.0)
 
+# The label that tells jobs apart. Not ``job``: Prometheus overwrites a target's ``job`` label with
+# its scrape job's name (unless honor_labels is set), so a ``job`` exported here would never show.
+JOB_LABEL = "persia_job"
+# metrics_config.job_name, passed by persia-launcher to the processes it starts (configure_from)
+JOB_NAME_ENV = "PERSIA_METRICS_JOB_NAME"
+DEFAULT_PORT = 9090  # enable_metrics without PERSIA_METRICS_PORT (the operator's port too)
+
 _exporter_started = False
 _exporter_port: int | None = None
 _exporter_lock = threading.Lock()
+# prometheus families by name, shared by every Metrics of the process: two contexts of one role
+# (a DataCtx per epoch) or two roles in one process must not register a name twice
+_families: dict[str, object] = {}
+_families_lock = threading.Lock()
+
+
+def job_label(env: Mapping[str, str] | None = None) -> str:
+    """The ``persia_job`` label: ``PERSIA_JOB_NAME`` (the operator's job name, unique in its
+    namespace, and local mode's ``--job-name``), else ``metrics_config.job_name`` (which
+    persia-launcher passes as ``PERSIA_METRICS_JOB_NAME``), else that key's default."""
+    env = os.environ if env is None else env
+    name = env.get("PERSIA_JOB_NAME") or env.get(JOB_NAME_ENV)
+    if name:
+        return name
+    from persia.config import MetricsConfig
+
+    return MetricsConfig.model_fields["job_name"].default
+
+
+def configure_from(metrics_config: MetricsConfig, env: MutableMapping[str, str] | None = None) -> None:
+    """Pass ``metrics_config`` on to this process and the role processes it starts, through their
+    environment (an NN worker's ranks and a data loader's script read no config file for it):
+    ``enable_metrics`` sets ``PERSIA_METRICS_PORT`` (9090) and ``job_name`` ``PERSIA_METRICS_JOB_NAME``,
+    each unless already set (the operator's and local mode's values win)."""
+    env = os.environ if env is None else env
+    if metrics_config.enable_metrics:
+        env.setdefault("PERSIA_METRICS_PORT", str(DEFAULT_PORT))
+    env.setdefault(JOB_NAME_ENV, metrics_config.job_name)
 
 
 def metrics_port(env=None) -> int | None:
@@ -70,13 +110,15 @@ def register_stats(role: str, replica: int, stats) -> None:
     """Serve ``stats()`` (a dict of numbers, e.g. the PS store's counters) as gauges at scrape time."""
     from prometheus_client.core import REGISTRY, GaugeMetricFamily
 
+    job = job_label()
+
     class _Collector:
         def collect(self):
             for name, value in stats().items():
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
-                family = GaugeMetricFamily(f"persia_{name}", name, labels=["role", "replica"])
-                family.add_metric([role, str(replica)], float(value))
+                family = GaugeMetricFamily(f"persia_{name}", name, labels=["role", "replica", JOB_LABEL])
+                family.add_metric([role, str(replica), job], float(value))
                 yield family
 
     REGISTRY.register(_Collector())
@@ -88,9 +130,9 @@ class Metrics:
     def __init__(self, role: str, replica: int):
         self.role = role
         self.replica = replica
+        self.job = job_label()
         self._lock = threading.Lock()
         self.values: dict[tuple[str, str], float] = defaultdict(float)
-        self._prom: dict[str, object] = {}
 
     def _key(self, name: str, feat: str) -> tuple[str, str]:
         return (name, feat)
@@ -125,17 +167,8 @@ class Metrics:
     def _export(self, name: str, feat: str, op: str, value: float) -> None:
         if not _exporter_started:
             return
-        from prometheus_client import Gauge, Histogram
-
-        metric = self._prom.get(name)
-        if metric is None:
-            labels = ["role", "replica"] + (["feat"] if feat else [])
-            full = f"persia_{name}"
-            # timings are histograms, so dashboards can take quantiles across replicas (docs/metrics.md)
-            metric = (Histogram(full, name, labels, buckets=LATENCY_BUCKETS) if op == "observe"
-                      else Gauge(full, name, labels))
-            self._prom[name] = metric
-        lbl = {"role": self.role, "replica": str(self.replica)}
+        metric = _family(name, op == "observe", bool(feat))
+        lbl = {"role": self.role, "replica": str(self.replica), JOB_LABEL: self.job}
         if feat:
             lbl["feat"] = feat
         try:
@@ -148,3 +181,22 @@ class Metrics:
                 m.inc(value)
         except ValueError:  # label set mismatch: keep the in-process counter only
             pass
+
+
+def _family(name: str, histogram: bool, with_feat: bool):
+    """The process's prometheus metric ``persia_<name>``, made by its first use."""
+    metric = _families.get(name)  # no lock once made: every export of every role comes here
+    if metric is not None:
+        return metric
+    from prometheus_client import Gauge, Histogram
+
+    with _families_lock:
+        metric = _families.get(name)
+        if metric is None:
+            labels = ["role", "replica", JOB_LABEL] + (["feat"] if with_feat else [])
+            full = f"persia_{name}"
+            # timings are histograms, so dashboards can take quantiles across replicas (docs/metrics.md)
+            metric = (Histogram(full, name, labels, buckets=LATENCY_BUCKETS) if histogram
+                      else Gauge(full, name, labels))
+            _families[name] = metric
+        return metric

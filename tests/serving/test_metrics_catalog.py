@@ -1,8 +1,8 @@
 """docs/metrics.md is the contract: the Grafana dashboard queries only metrics listed there, and
 every metric listed there is served by the code: test_online.py scrapes every role of a real job
-(`persia-launcher local` plus the serving processes) with :func:`assert_catalogued_metrics_served`;
-counters and histograms must be non-zero. Metrics that exist only once their event happened
-("on event") are looked up in the source instead."""
+(`persia-launcher local`: PS, embedding worker, NN worker, data loader; plus the serving processes)
+with :func:`assert_catalogued_metrics_served`; counters and histograms must be non-zero. Metrics
+that exist only once their event happened ("on event") are looked up in the source instead."""
 
 from __future__ import annotations
 
@@ -28,23 +28,21 @@ def catalog() -> dict[str, tuple[str, str, bool]]:
     return out
 
 
+def dashboard_exprs(node) -> list[str]:
+    """The PromQL of a dashboard (part): every ``expr`` and variable ``query``."""
+    if isinstance(node, list):
+        return [e for v in node for e in dashboard_exprs(v)]
+    if not isinstance(node, dict):
+        return []
+    own = [node[k] for k in ("expr", "query") if isinstance(node.get(k), str)]
+    return own + [e for v in node.values() for e in dashboard_exprs(v)]
+
+
 def dashboard_metrics() -> set[str]:
-    exprs = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            if isinstance(node.get("expr"), str):
-                exprs.append(node["expr"])
-            if isinstance(node.get("query"), str):
-                exprs.append(node["query"])
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(json.loads(DASHBOARD.read_text()))
-    return {name for e in exprs for name in re.findall(r"\bpersia_[a-z0-9_]+", e)}
+    # metric names only: not the label names of selectors ({persia_job=~...}) or of label_values()
+    exprs = dashboard_exprs(json.loads(DASHBOARD.read_text()))
+    names = (re.sub(r"label_values\((\w+),\s*\w+\)", r"\1", re.sub(r"\{[^}]*\}", "", e)) for e in exprs)
+    return {name for e in names for name in re.findall(r"\bpersia_[a-z0-9_]+", e)}
 
 
 def base_name(name: str, cat: dict) -> str:
@@ -62,6 +60,29 @@ def test_the_dashboard_queries_only_catalogued_metrics():
     assert len(used) >= 25  # it draws nearly everything, not one panel
 
 
+ROLES = {"embedding_parameter_server", "embedding_worker", "nn_worker", "data_loader", "model server"}
+
+
+def test_every_role_has_metrics_that_a_real_run_must_serve():
+    """Each role's /metrics is scraped by test_online.py: a role with only "on event" metrics
+    would pass that scrape without being checked at all."""
+    cat = catalog()
+    assert {role for _, role, _ in cat.values()} == ROLES
+    for role in ROLES:
+        assert any(r == role and not on_event for _, r, on_event in cat.values()), role
+
+
+def test_the_dashboard_selects_jobs_by_the_label_scraping_keeps():
+    """Prometheus overwrites a target's ``job`` label with its scrape job's name: the dashboard
+    tells PERSIA jobs apart by ``persia_job`` (persia.metrics.JOB_LABEL) in every query."""
+    board = json.loads(DASHBOARD.read_text())
+    [var] = [v for v in board["templating"]["list"] if v["type"] == "query"]
+    assert var["name"] == "persia_job" and var["query"] == "label_values(persia_rows, persia_job)"
+    exprs = dashboard_exprs(board["panels"])
+    selectors = [m for e in exprs for m in re.findall(r"\bpersia_[a-z0-9_]+(\{[^}]*\})?", e)]
+    assert len(selectors) >= 25 and all(sel == '{persia_job=~"$persia_job"}' for sel in selectors), selectors
+
+
 def test_serving_and_on_event_metrics_exist_in_the_code():
     cat = catalog()
     serving = {n for n, (_, role, _) in cat.items() if role == "model server"}
@@ -70,6 +91,18 @@ def test_serving_and_on_event_metrics_exist_in_the_code():
     for name, (_, _, on_event) in cat.items():
         if on_event:
             assert f'"{name.removeprefix("persia_")}"' in source, f"{name} is not in the runtime's source"
+
+
+def sample(text: str, name: str | None = None, **labels: str) -> float | None:
+    """The value of the first sample in a /metrics text named ``name`` (None: any) whose labels
+    include ``labels``, or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if (name is None or s.name == name) and labels.items() <= s.labels.items():
+                return s.value
+    return None
 
 
 def _samples(text: str) -> dict[str, float]:

@@ -21,7 +21,7 @@ import yaml
 
 from persia.serving.local_stack import InferenceStack, post_json
 from tests.ports import free_ports
-from tests.serving.test_metrics_catalog import assert_catalogued_metrics_served
+from tests.serving.test_metrics_catalog import assert_catalogued_metrics_served, sample
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -67,7 +67,7 @@ def test_online_training_refreshes_a_running_model_server(tmp_path):
         "enable_incremental_update": True, "incremental_dir": str(tmp_path / "inc"), "incremental_buffer_size": 20}}
     (tmp_path / "global_config.yml").write_text(yaml.safe_dump(train_gc))
     ckpts = tmp_path / "ckpts"
-    # training: PS, EW, NN rank, data loader (no exporter); then the inference PS and EW
+    # training: PS, EW, NN rank, data loader; then the inference PS and EW
     train_metrics = free_ports(6)
     infer_metrics = train_metrics + 4
     # the job's output goes to a file: a pipe read only at the end fills (64 KiB) and freezes the job
@@ -107,8 +107,12 @@ def test_online_training_refreshes_a_running_model_server(tmp_path):
         assert any(p.name.startswith("inc_") for p in (tmp_path / "inc").glob("s*/inc_*"))
         # every role of both jobs serves the catalogued metrics (docs/metrics.md), while they run
         scrapes = [metrics] + [scrape(port, job, job_log) for port in
-                               [*range(train_metrics, train_metrics + 3), *range(infer_metrics, infer_metrics + 2)]]
+                               [*range(train_metrics, train_metrics + 4), *range(infer_metrics, infer_metrics + 2)]]
         assert_catalogued_metrics_served(scrapes)
+        # each training role under its own role and replica, all under local mode's job name
+        for text, role in zip(scrapes[1:5], ("embedding_parameter_server", "embedding_worker", "nn_worker",
+                                             "data_loader")):
+            assert sample(text, role=role, replica="0", persia_job="local") is not None, text[-2000:]
         passed = True
     finally:
         stack.stop()

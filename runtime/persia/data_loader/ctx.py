@@ -21,6 +21,7 @@ from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
 from persia import messages as M
 from persia.errors import BusyError, PersiaError
+from persia.metrics import Metrics, start_exporter
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class DataCtx(BaseCtx):
     ``PERSIA_DATA_GROUP`` (default 2) to a message on each leg, so ``send_data`` may return holding
     its batch for the next one (``persia.data_loader.grouping``). Leaving the ``with`` block sends
     what is held, then each NN rank an end-of-stream message carrying how many batches this loader
-    sent it.
+    sent it. Serves ``/metrics`` (role ``data_loader``) when metrics are on: docs/metrics.md.
     """
 
     def __init__(self, *args, discovery_deadline_s: float = 600.0, send_deadline_s: float = 600.0, **kwargs):
@@ -83,6 +84,9 @@ class DataCtx(BaseCtx):
         self.replica_index = env.get_rank() if index is None else index
         self.replica_size = (env.get_world_size() or 1) if size is None else size
         env.check_replica(self.replica_index, self.replica_size, "data loader")
+        # before discovery, which may wait minutes for the workers: the scrape target is up meanwhile
+        start_exporter()
+        self._metrics = Metrics("data_loader", self.replica_index)
         self.send_deadline_s = send_deadline_s
         self._groups = SendGroups(data_group_setting(os.environ))  # checked before anything is sent
         self._hold_s = hold_setting(os.environ)
@@ -95,6 +99,7 @@ class DataCtx(BaseCtx):
         self._in_flight = 0  # sends under way outside the lock (send_data's, the hold thread's)
         self._late: BaseException | None = None  # a send of the hold thread that failed, raised next
         self._holder: threading.Thread | None = None
+        self._show_sending()
         self.bus: NatsBus = shared_bus()
         ew = self.bus.request_retry(subject("ew", "info"), None, deadline_s=discovery_deadline_s, timeout=2.0,
                                     what="waiting for embedding workers")
@@ -155,6 +160,7 @@ class DataCtx(BaseCtx):
             # trained before the restart (the checkpoint's position): keep its batch id, send nothing
             persia_batch.batch_id = batch_id
             self.skipped += 1
+            self._metrics.inc("data_loader_batches_skipped")
             return
         ref = batch_ref(self._stream.session, self.replica_index, batch_id)
         leg = "id_features"
@@ -205,6 +211,7 @@ class DataCtx(BaseCtx):
                     self._holder.start()
             if groups:
                 self._in_flight += 1
+            self._show_sending()
         if groups:
             self._send_in_flight(groups)
 
@@ -223,6 +230,7 @@ class DataCtx(BaseCtx):
         finally:
             with self._sending:
                 self._in_flight -= 1
+                self._show_sending()
                 if self._in_flight == 0:
                     self._sending.notify_all()
 
@@ -256,6 +264,7 @@ class DataCtx(BaseCtx):
                     due = self._groups.take_held_since(time.monotonic() - self._hold_s)
                     if due:
                         self._in_flight += 1
+                        self._show_sending()
                         return due
                 elif self._holds != seen:
                     seen = self._holds
@@ -265,6 +274,12 @@ class DataCtx(BaseCtx):
                     self._hold_wake.wait()
                     self._holder_idle = False
             return None
+
+    def _show_sending(self) -> None:
+        """The gauges of what is held and in flight (under the lock, after each change): a loader
+        whose sends stall shows it here before its deadline fails them."""
+        self._metrics.set("data_loader_batches_held", len(self._groups))
+        self._metrics.set("data_loader_sends_in_flight", self._in_flight)
 
     def _raise_late(self) -> None:
         """A send of the hold thread failed: raised from the next ``send_data`` (or the close)."""
@@ -284,6 +299,7 @@ class DataCtx(BaseCtx):
                     ("batch_group", {"batches": [b.dense for b in group]}))
         # Both legs at once (one round trip, not two): the NN worker names the ID features by the
         # ref chosen here, and its lookup waits for them on the worker if it comes first.
+        started = time.monotonic()
         id_leg, dense_leg = self.bus.request_retry_all(
             (subject("ew", legs[0][0], worker), legs[0][1],
              {"deadline_s": self.send_deadline_s,
@@ -291,6 +307,7 @@ class DataCtx(BaseCtx):
             (subject("nn", legs[1][0], rank), legs[1][1],
              {"deadline_s": self.send_deadline_s, "what": f"sending {what} to NN rank {rank}"}),
         )
+        self._metrics.observe("data_loader_send_time_cost_sec", time.monotonic() - started)
         if isinstance(dense_leg, BaseException):
             # not delivered: their ID features wait on the worker for nobody (handed back), and
             # their ids are spent (a retried batch gets a new one, never another batch's features)
@@ -302,6 +319,7 @@ class DataCtx(BaseCtx):
             raise dense_leg
         for _ in group:  # the NN rank has them all: each is in its count, trained or failed there
             self._stream.acknowledged(rank)
+        self._metrics.inc("data_loader_batches_sent", len(group))
         lost = id_leg_failures(group, id_leg)
         if not lost:
             return
@@ -310,6 +328,7 @@ class DataCtx(BaseCtx):
         self._release(worker, [b.ref for b, _ in lost])
         for b, why in lost:
             b.batch.batch_id = None
+            self._metrics.inc("data_loader_batches_failed", feat="lost_id_features")
             log.error("batch %d: ID features not sent (%s); NN rank %d counts it as failed (lost_id_features)",
                       b.batch_id, why, rank)
         if isinstance(id_leg, BaseException):
@@ -321,6 +340,7 @@ class DataCtx(BaseCtx):
         reason = f"send_{leg}"
         with self._stream.lock:
             self._stream.failed[reason] += 1
+        self._metrics.inc("data_loader_batches_failed", feat=reason)
         log.error("batch %d not sent (%s: %s); it is counted as failed (%s)", batch_id, type(exc).__name__, exc, reason)
 
     def _release(self, worker: int, refs: list[int]) -> None:
@@ -387,6 +407,7 @@ class DataCtx(BaseCtx):
             self._hold_wake.notify()
             if held:
                 self._in_flight += 1
+            self._show_sending()
         if self._holder is not None:
             self._holder.join()
         held_failed = None
