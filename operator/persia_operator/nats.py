@@ -22,6 +22,25 @@ DEFAULT_RESOURCES = {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {
 CONFIG_DIR = "/etc/nats-config"
 CONFIG_FILE = "nats.conf"
 PID_DIR = "/var/run/nats"
+# Keys of the generated Secret <job>-auth (render_auth_secret) that the NATS servers read.
+USER_KEY, PASSWORD_KEY = "nats-user", "nats-password"
+ROUTE_USER_KEY, ROUTE_PASSWORD_KEY = "nats-route-user", "nats-route-password"
+
+
+def route_env_name(index: int) -> str:
+    """Env var holding the URL, credentials included, of the route to server `index`."""
+    return f"NATS_ROUTE_{index}"
+
+
+def route_urls(job: str, namespace: str, replicas: int) -> list[str]:
+    """Route URLs as env values: the kubelet fills in the credentials from the env vars
+    defined before them, so neither the ConfigMap nor the StatefulSet holds them."""
+    sts, headless = naming.nats_name(job), naming.nats_headless_name(job)
+    return [
+        f"nats-route://$(NATS_ROUTE_USER):$(NATS_ROUTE_PASSWORD)@{sts}-{i}.{headless}.{namespace}.svc:"
+        f"{C.NATS_CLUSTER_PORT}"
+        for i in range(replicas)
+    ]
 
 
 def nats_conf(job: str, namespace: str, nats: NatsSpec) -> str:
@@ -42,22 +61,51 @@ def nats_conf(job: str, namespace: str, nats: NatsSpec) -> str:
         "}",
     ]
     if nats.replicas > 1:
-        sts, headless = naming.nats_name(job), naming.nats_headless_name(job)
-        routes = [
-            f"    nats://{sts}-{i}.{headless}.{namespace}.svc:{C.NATS_CLUSTER_PORT}"
-            for i in range(nats.replicas)
-        ]
+        # Only the job's own servers join as routes: anything else reaching port 6222 could
+        # otherwise read and publish every subject. nats-server expands `$VAR` only as a
+        # whole value, so each route URL (with the route credentials) is an env var.
         lines += [
             "cluster {",
             f"  name: {job}",
             f"  port: {C.NATS_CLUSTER_PORT}",
             "  no_advertise: true",
+            "  authorization {",
+            "    user: $NATS_ROUTE_USER",
+            "    password: $NATS_ROUTE_PASSWORD",
+            "  }",
             "  routes: [",
-            *routes,
+            *[f"    ${route_env_name(i)}" for i in range(nats.replicas)],
             "  ]",
             "}",
         ]
     return "\n".join(lines) + "\n"
+
+
+def nats_env(job: str, namespace: str, nats: NatsSpec) -> list[dict[str, Any]]:
+    """Env of a managed NATS server: its name and the credentials, from the generated Secret.
+
+    The route keys are optional so that a job whose Secret predates them (made by an older
+    operator, with a ConfigMap that has no route authorization either) still starts its
+    NATS; a config that references them fails to parse without them (fails closed)."""
+    secret = naming.auth_secret_name(job)
+
+    def from_secret(name: str, key: str, optional: bool = False) -> dict[str, Any]:
+        ref: dict[str, Any] = {"name": secret, "key": key}
+        if optional:
+            ref["optional"] = True
+        return {"name": name, "valueFrom": {"secretKeyRef": ref}}
+
+    env = [
+        {"name": "SERVER_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        from_secret("NATS_USER", USER_KEY),
+        from_secret("NATS_PASSWORD", PASSWORD_KEY),
+    ]
+    if nats.replicas > 1:
+        env += [from_secret("NATS_ROUTE_USER", ROUTE_USER_KEY, optional=True),
+                from_secret("NATS_ROUTE_PASSWORD", ROUTE_PASSWORD_KEY, optional=True)]  # fmt: skip
+        env += [{"name": route_env_name(i), "value": url}
+                for i, url in enumerate(route_urls(job, namespace, nats.replicas))]  # fmt: skip
+    return env
 
 
 def render_nats(
@@ -68,7 +116,6 @@ def render_nats(
     `extras`: pod labels/annotations/schedulerName of the job's gang, and whether the
     pod gets the restricted security context."""
     extras = extras or {}
-    secret = naming.auth_secret_name(job)
     labels = naming.common_labels(job, C.ROLE_NATS)
     selector = naming.selector_labels(job, C.ROLE_NATS)
     sts_name, headless = naming.nats_name(job), naming.nats_headless_name(job)
@@ -114,11 +161,7 @@ def render_nats(
         "name": "nats",
         "image": nats.image,
         "args": ["--config", f"{CONFIG_DIR}/{CONFIG_FILE}"],
-        "env": [
-            {"name": "SERVER_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-            {"name": "NATS_USER", "valueFrom": {"secretKeyRef": {"name": secret, "key": "nats-user"}}},
-            {"name": "NATS_PASSWORD", "valueFrom": {"secretKeyRef": {"name": secret, "key": "nats-password"}}},
-        ],
+        "env": nats_env(job, namespace, nats),
         "ports": [
             {"name": "client", "containerPort": C.NATS_CLIENT_PORT},
             {"name": "cluster", "containerPort": C.NATS_CLUSTER_PORT},

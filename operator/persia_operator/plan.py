@@ -70,7 +70,11 @@ def _cleanup(policy: str, children: Children) -> list[Action]:
 
 
 def new_token() -> str:
-    return secrets.token_urlsafe(32)
+    """32 random bytes, URL-safe, starting with a letter: nats-server parses a `$VAR` from the
+    environment as a config value, and one starting with '-' or with digits and '-' (about 1
+    in 50 plain token_urlsafe values) is read as a number or a date and fails: NATS never
+    started."""
+    return "p" + secrets.token_urlsafe(32)
 
 
 def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: datetime,
@@ -118,5 +122,5 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
         elif (kind, name) not in children.objects:
             actions.append(Create(manifest))
     if ("Secret", naming.auth_secret_name(meta.name)) not in children.objects:
-        actions.append(Create(render_auth_secret(job, token(), token())))
+        actions.append(Create(render_auth_secret(job, token(), token(), token())))
     return actions

@@ -140,7 +140,8 @@ class Reconciler:
         """Children that are read, not watched: Secrets (watching them would need list on
         every Secret), PodGroups (their CRDs may not be installed) and the job's two
         PodDisruptionBudgets (auxiliary: a job runs without them). Returns summaries and
-        the decoded data of the Secrets the job's NATS needs."""
+        the decoded data of the Secrets the job's NATS needs (its credentials, TLS material,
+        and the URL when the pods get PERSIA_NATS_URL from a secretKeyRef)."""
         gets: list[tuple[str, str, str | None]] = [("Secret", naming.auth_secret_name(name), None),
                                                    ("PodDisruptionBudget", naming.workload_name(name, C.ROLE_PS), None)]
         if spec is not None:
@@ -149,6 +150,9 @@ class Reconciler:
             for ref in (spec.nats.auth, spec.nats.tls):
                 if ref is not None:
                     gets.append(("Secret", ref.secret_name, None))
+            url_secret = spec.nats_url_secret()
+            if url_secret is not None and ("Secret", url_secret[0], None) not in gets:
+                gets.append(("Secret", url_secret[0], None))
             from .render import render_pod_group  # the apiVersion of the job's PodGroup
             from .job import PersiaJob
 
@@ -256,6 +260,9 @@ def nats_target(job: str, namespace: str, spec: PersiaJobSpec | None,
     if spec is None:
         return None
     url = spec.nats_url(job, namespace)
+    url_secret = spec.nats_url_secret()
+    if not url and url_secret is not None:  # the pods' PERSIA_NATS_URL is a secretKeyRef
+        url = secrets.get(url_secret[0], {}).get(url_secret[1], "")
     if not url:
         return None
     if spec.nats_managed():

@@ -29,7 +29,7 @@ import yaml
 from . import constants as C
 from . import naming
 from .job import PersiaJob
-from .nats import render_nats
+from .nats import PASSWORD_KEY, ROUTE_PASSWORD_KEY, ROUTE_USER_KEY, USER_KEY, render_nats
 from .overlay import merge
 from .podsecurity import container_security_context, pod_security_context
 from .spec import EnvVar, PersiaJobSpec, RoleSpec
@@ -43,6 +43,7 @@ NATS_CREDS_DIR = f"{SECRETS_DIR}/nats-creds"
 NATS_TLS_DIR = f"{SECRETS_DIR}/nats-tls"
 GRPC_TLS_DIR = f"{SECRETS_DIR}/grpc-tls"
 NATS_USER = "persia"
+NATS_ROUTE_USER = "persia-route"
 SERVER_PRESTOP_SECONDS = 2  # let Service endpoints drop the pod before SIGTERM
 CHECKPOINT_ROLES = (C.ROLE_PS, C.ROLE_EMBEDDING_WORKER, C.ROLE_NN_WORKER)
 
@@ -94,8 +95,8 @@ def security_env(job: PersiaJob) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [_secret_env("PERSIA_JOB_SECRET", generated, "job-secret")]
     auth = spec.nats.auth
     if spec.nats_managed():
-        env += [_secret_env("PERSIA_NATS_USER", generated, "nats-user"),
-                _secret_env("PERSIA_NATS_PASSWORD", generated, "nats-password")]  # fmt: skip
+        env += [_secret_env("PERSIA_NATS_USER", generated, USER_KEY),
+                _secret_env("PERSIA_NATS_PASSWORD", generated, PASSWORD_KEY)]  # fmt: skip
     elif auth is not None and auth.type == "userPassword":
         env += [_secret_env("PERSIA_NATS_USER", auth.secret_name, "user"),
                 _secret_env("PERSIA_NATS_PASSWORD", auth.secret_name, "password")]  # fmt: skip
@@ -442,11 +443,14 @@ def render_pdbs(job: PersiaJob) -> list[dict[str, Any]]:
     ]
 
 
-def render_auth_secret(job: PersiaJob, nats_password: str, job_secret: str) -> dict[str, Any]:
-    """The generated per-job Secret; only the job's pods reference it."""
+def render_auth_secret(job: PersiaJob, nats_password: str, job_secret: str, route_password: str) -> dict[str, Any]:
+    """The generated per-job Secret; only the job's pods reference it. A managed NATS gets
+    client credentials and, apart from them, route credentials that only its own servers
+    use to join each other (a PERSIA pod never sees them)."""
     data = {"job-secret": job_secret}
     if job.spec.nats_managed():
-        data.update({"nats-user": NATS_USER, "nats-password": nats_password})
+        data.update({USER_KEY: NATS_USER, PASSWORD_KEY: nats_password,
+                     ROUTE_USER_KEY: NATS_ROUTE_USER, ROUTE_PASSWORD_KEY: route_password})  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Secret",

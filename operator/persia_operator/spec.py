@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 from . import constants as C
+from .natsinfo import redact
 
 
 class SpecError(ValueError):
@@ -80,6 +81,74 @@ def _check_env_names(env: list[EnvVar]) -> list[EnvVar]:
             raise ValueError(f"duplicate environment variable name {var.name!r}")
         seen.add(var.name)
     return env
+
+
+NATS_URL_ENV = "PERSIA_NATS_URL"
+
+
+def _env_var(env: list[EnvVar], name: str) -> EnvVar | None:
+    return next((var for var in env if var.name == name), None)
+
+
+def user_nats_urls(env: list[EnvVar], roles: dict[str, RoleSpec]) -> dict[str, tuple[str, EnvVar] | None]:
+    """Per role field: the PERSIA_NATS_URL its pods get from the user, as (where it is set,
+    definition), or None. A role's env wins over spec.env, as in the rendered pods."""
+    job_level = _env_var(env, NATS_URL_ENV)
+    urls: dict[str, tuple[str, EnvVar] | None] = {}
+    for field, role in roles.items():
+        own = _env_var(role.env, NATS_URL_ENV)
+        urls[field] = (f"{field}.env", own) if own else ("env", job_level) if job_level else None
+    return urls
+
+
+def _shown(var: EnvVar) -> str:
+    """A definition for an error message, without URL user-info."""
+    if var.value_from is not None:
+        return f"valueFrom {var.value_from}"
+    return repr(redact(var.value or ""))
+
+
+def check_user_nats_url(env: list[EnvVar], roles: dict[str, RoleSpec], managed: bool | None) -> list[str]:
+    """A PERSIA_NATS_URL the user sets (value or valueFrom, in spec.env or a role's env)
+    replaces the managed NATS for the whole job: every role must get the same one (roles on
+    different NATS servers never meet), the operator must be able to read it (to check that
+    NATS: a value or a secretKeyRef), and it excludes `nats.managed: true` (the pods would
+    reach the user's NATS with the managed NATS's credentials)."""
+    urls = user_nats_urls(env, roles)
+    sources = {where: var for where, var in (u for u in urls.values() if u is not None)}
+    if not sources:
+        return []
+    problems = []
+    for where, var in sources.items():
+        if var.value_from is not None and set(var.value_from) != {"secretKeyRef"}:
+            problems.append(
+                f"{where}: {NATS_URL_ENV} valueFrom must be a secretKeyRef (the operator reads it to check "
+                f"that NATS), got {_shown(var)}"
+            )
+        elif var.value_from is None and not var.value:
+            problems.append(
+                f"{where}: {NATS_URL_ENV} is empty: set a URL (value or valueFrom.secretKeyRef), or remove it "
+                "to get a managed NATS"
+            )
+    missing = [field for field, url in urls.items() if url is None]
+    if missing:
+        problems.append(
+            f"{NATS_URL_ENV} is set in {', '.join(sources)} but not for {', '.join(missing)}: every role must "
+            f"use the same NATS (set {NATS_URL_ENV} once in spec.env)"
+        )
+    definitions = {where: var.model_dump(exclude={"name"}) for where, var in sources.items()}
+    if len({repr(d) for d in definitions.values()}) > 1:
+        shown = ", ".join(f"{where}: {_shown(var)}" for where, var in sources.items())
+        problems.append(
+            f"{NATS_URL_ENV} differs between roles ({shown}): every role must use the same NATS "
+            f"(set {NATS_URL_ENV} once in spec.env)"
+        )
+    if managed:
+        problems.append(
+            f"nats.managed: true and {NATS_URL_ENV} in {', '.join(sources)} are mutually exclusive: the pods "
+            "would reach that NATS with the managed NATS's credentials"
+        )
+    return problems
 
 
 class TemplateMetadata(_Model):
@@ -492,8 +561,8 @@ _SPEC_RULES = [
     _cel(
         "!has(self.nats) || !(has(self.nats.auth) || has(self.nats.tls)) || has(self.nats.externalURL) || "
         "(has(self.env) && self.env.exists(e, e.name == 'PERSIA_NATS_URL'))",
-        "nats.auth and nats.tls are for an external NATS (nats.externalURL); a managed NATS "
-        "gets generated credentials",
+        "nats.auth and nats.tls are for an external NATS (nats.externalURL, or PERSIA_NATS_URL in "
+        "spec.env); a managed NATS gets generated credentials",
     ),
 ]
 
@@ -636,10 +705,12 @@ class PersiaJobSpec(_Model):
             problems.append("persiaEnv.PERSIA_NN_WORKER_ENTRY is required (the NN worker entry script)")
         if self.dataloader is not None and not self.persia_env.PERSIA_DATALOADER_ENTRY:
             problems.append("persiaEnv.PERSIA_DATALOADER_ENTRY is required when spec.dataloader is set")
-        if (self.nats.auth or self.nats.tls) and self.nats_managed():
+        problems += check_user_nats_url(self.env, self.roles(), self.nats.managed)
+        # The CEL rule's terms (it reads spec.env only): with nats.auth/tls, the URL goes there.
+        if (self.nats.auth or self.nats.tls) and not (self.nats.external_url or _env_var(self.env, NATS_URL_ENV)):
             problems.append(
-                "nats.auth and nats.tls are for an external NATS (nats.externalURL); a managed NATS "
-                "gets generated credentials"
+                "nats.auth and nats.tls are for an external NATS (nats.externalURL, or PERSIA_NATS_URL in "
+                "spec.env); a managed NATS gets generated credentials"
             )
         volume_names = {v["name"] for v in self.volumes}
         if self.checkpoint is not None and self.checkpoint.volume and self.checkpoint.volume not in volume_names:
@@ -672,28 +743,43 @@ class PersiaJobSpec(_Model):
         return self.roles().get(C.ROLE_FIELDS[role_id])
 
     def nats_url(self, job_name: str, namespace: str) -> str:
-        """The PERSIA_NATS_URL every pod gets."""
+        """The PERSIA_NATS_URL every pod gets, as far as the spec tells it ("" when the user's
+        comes from a Secret: see nats_url_secret)."""
         if not self.nats_managed():
             if self.nats.external_url:
                 return self.nats.external_url
-            return self._legacy_nats_url() or ""
+            user = self.user_nats_url()
+            return (user.value or "") if user is not None else ""
         return f"nats://{job_name}-nats.{namespace}.svc:{C.NATS_CLIENT_PORT}"
 
     def nats_managed(self) -> bool:
         """Managed unless an external URL is given, explicitly or PERSIA's way.
 
         PERSIA's manifests brought their own NATS (nats-operator) and set PERSIA_NATS_URL
-        in spec.env; such a manifest keeps using that NATS instead of getting a second one.
+        in spec.env; such a manifest keeps using that NATS instead of getting a second one,
+        whether the URL is a value or a valueFrom, in spec.env or in the roles' env (the
+        managed NATS's credentials would be wrong for that NATS).
         """
         if self.nats.managed is not None:
             return self.nats.managed
-        return not (self.nats.external_url or self._legacy_nats_url())
+        return not (self.nats.external_url or self.user_nats_url())
 
-    def _legacy_nats_url(self) -> str | None:
-        for var in self.env:
-            if var.name == "PERSIA_NATS_URL" and var.value:
-                return var.value
-        return None
+    def user_nats_url(self) -> EnvVar | None:
+        """The PERSIA_NATS_URL the user sets for the pods (validation makes it the same for
+        every role), or None."""
+        urls = [url for url in user_nats_urls(self.env, self.roles()).values() if url is not None]
+        return urls[0][1] if urls else None
+
+    def nats_url_secret(self) -> tuple[str, str] | None:
+        """(Secret, key) of a user's PERSIA_NATS_URL set through valueFrom.secretKeyRef: the
+        operator reads it there to reach the same NATS as the pods."""
+        user = self.user_nats_url()
+        if user is None or self.nats.external_url or user.value_from is None:
+            return None
+        ref = user.value_from.get("secretKeyRef") or {}
+        if not ref.get("name") or not ref.get("key"):
+            return None
+        return str(ref["name"]), str(ref["key"])
 
     def to_wire(self) -> dict[str, Any]:
         """The spec as stored in Kubernetes (camelCase, defaults filled, no nulls)."""

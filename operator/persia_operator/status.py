@@ -302,7 +302,7 @@ class _Pass:
         st.replica_statuses = count_replicas(spec, self.name, self.children, st.attempt)
         nats = st.replica_statuses.get("nats")
         if nats is None:
-            nats_ready = self.external_nats()
+            nats_ready = self.external_nats(spec)
             not_ready = [] if nats_ready else ["external NATS not reachable"]
         else:
             nats_ready = nats.ready >= nats.desired
@@ -331,9 +331,12 @@ class _Pass:
         if restarting is not None and restarting.status == "True" and st.attempt_ready_time is not None:
             self.cond(C.COND_RESTARTING, False, "Recovered", f"attempt {st.attempt} is ready")
 
-    def external_nats(self) -> bool:
+    def external_nats(self, spec: PersiaJobSpec) -> bool:
         """An external NATS is ready only once the operator connected to it."""
         url = self.st.nats_url
+        url_secret = spec.nats_url_secret()
+        if url is None and url_secret is not None:  # the URL itself is not shown: it may hold credentials
+            url = f"the PERSIA_NATS_URL in Secret {url_secret[0]}"
         if self.nats is None:
             self.cond(C.COND_NATS_READY, False, "NatsNotChecked", f"no connection to {url} tried yet")
             return False

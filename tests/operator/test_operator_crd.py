@@ -135,6 +135,13 @@ def test_cel_rules_pass_valid_manifests():
         assert cel_failures(schema(), body) == []
 
 
+def test_nats_auth_for_a_url_from_a_secret_passes_cel_and_the_operator():
+    url = {"name": "PERSIA_NATS_URL", "valueFrom": {"secretKeyRef": {"name": "team-nats", "key": "url"}}}
+    body = job_body(env=[url], nats={"auth": {"secretName": "team-creds"}})
+    assert cel_failures(schema(), body) == []
+    assert not validate_job(body)[1].nats_managed()
+
+
 def _broken(**changes: Any) -> dict[str, Any]:
     return with_changes(job_body(), **changes)
 
@@ -152,8 +159,13 @@ CEL_CASES = [
         (_broken(spec__persiaEnv__PERSIA_NN_WORKER_ENTRY=None), "PERSIA_NN_WORKER_ENTRY is required", "PERSIA_NN_WORKER_ENTRY is required"),
         (_broken(spec__persiaEnv__PERSIA_DATALOADER_ENTRY=None), "PERSIA_DATALOADER_ENTRY is required", "PERSIA_DATALOADER_ENTRY is required"),
         (_broken(spec__checkpoint={"intervalSteps": 5}), "checkpoint: set exactly one of persistentVolumeClaim and volume", "exactly one of persistentVolumeClaim and volume"),
-        (_broken(spec__nats={"auth": {"secretName": "x"}}), "nats.auth and nats.tls are for an external NATS (nats.externalURL)", "nats.auth and nats.tls are for an external NATS"),
+        (_broken(spec__nats={"auth": {"secretName": "x"}}), "nats.auth and nats.tls are for an external NATS (nats.externalURL, ", "nats.auth and nats.tls are for an external NATS"),
         (_broken(spec__nats={"managed": True, "tls": {"secretName": "x"}}), "nats.auth and nats.tls are for an external NATS; a managed", "nats.auth and nats.tls are for an external NATS"),
+        # PERSIA_NATS_URL only in the roles' env: the rule asks for it in spec.env, in CEL and in the operator
+        (_broken(spec__nats={"auth": {"secretName": "x"}}, **{f"spec__{r}__env": [{"name": "PERSIA_NATS_URL", "value": "nats://n:4222"}]
+                 for r in ("embeddingParameterServer", "embeddingWorker", "nnWorker", "dataloader")}),
+         "nats.auth and nats.tls are for an external NATS (nats.externalURL, or PERSIA_NATS_URL in spec.env)",
+         "nats.auth and nats.tls are for an external NATS (nats.externalURL, or PERSIA_NATS_URL in spec.env)"),
 ]  # fmt: skip
 
 

@@ -169,7 +169,7 @@ async def test_managed_nats_gets_a_generated_secret(cluster, operator):
     secret = cluster.get("v1/secrets", NS, "demo-auth")
     assert secret["metadata"]["ownerReferences"][0]["name"] == NAME
     data = secret.get("stringData") or {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-    assert set(data) == {"nats-user", "nats-password", "job-secret"}
+    assert set(data) == {"nats-user", "nats-password", "nats-route-user", "nats-route-password", "job-secret"}
     await wait_for(lambda: cond(cluster, C.COND_CREATED).get("status") == "True", what="created")
     # Created once: later passes see it and do not make new credentials.
     passes = operator.passes

@@ -39,6 +39,22 @@ def test_fresh_job_creates_every_child():
     data = secret["stringData"]
     assert data["nats-user"] == "persia" and len(data["nats-password"]) >= 32
     assert data["job-secret"] != data["nats-password"]
+    # Route credentials of the NATS cluster, apart from the clients' (no PERSIA pod has them).
+    assert data["nats-route-user"] == "persia-route" and len(data["nats-route-password"]) >= 32
+    assert len({data["nats-password"], data["nats-route-password"], data["job-secret"]}) == 3
+
+
+def test_generated_tokens_start_with_a_letter(monkeypatch):
+    """nats-server reads `$NATS_PASSWORD` from env as a config value: a password starting
+    with '-' (1 in 64 of token_urlsafe) made it exit with a parse error (see
+    test_operator_nats_conf for the real server)."""
+    import secrets
+
+    from persia_operator.plan import new_token
+
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: "-" + "x" * 42)
+    token = new_token()
+    assert token[0].isalpha() and token.endswith("-" + "x" * 42)
 
 
 def test_complete_job_needs_nothing():

@@ -200,7 +200,7 @@ def test_managed_nats_objects():
     children = by_key(render(make(job_body(nats={"replicas": 3, "maxPayload": 8 * 1024 * 1024}))))
     conf = children[("ConfigMap", "demo-nats-config")]["data"]["nats.conf"]
     assert "max_payload: 8388608" in conf
-    assert conf.count("nats://demo-nats-") == 3
+    assert conf.count("$NATS_ROUTE_") == 3 + 2  # three routes, the route user and password
     sts = children[("StatefulSet", "demo-nats")]
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["serviceName"] == "demo-nats-headless"
     nats = container(sts)
@@ -211,6 +211,56 @@ def test_managed_nats_objects():
     assert "clusterIP" not in client and {p["port"] for p in client["ports"]} == {4222, 8222}
     headless = children[("Service", "demo-nats-headless")]["spec"]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is True
+
+
+def test_nats_cluster_routes_need_the_generated_route_credentials():
+    """Anything that reached port 6222 could join a managed NATS cluster as a route and read
+    or publish every subject. Routes now authenticate with route credentials from the
+    generated Secret, which reach the servers through env only: the ConfigMap and the
+    StatefulSet hold references (test_operator_nats_conf runs the servers for real)."""
+    import re
+
+    from persia_operator.render import render_auth_secret
+
+    job = make(job_body(nats={"replicas": 3}))
+    children = render(job)
+    keyed = by_key(children)
+    conf = keyed[("ConfigMap", "demo-nats-config")]["data"]["nats.conf"]
+    cluster = conf[conf.index("cluster {"):]
+    assert "  authorization {\n    user: $NATS_ROUTE_USER\n    password: $NATS_ROUTE_PASSWORD\n  }\n" in cluster
+    assert "  routes: [\n    $NATS_ROUTE_0\n    $NATS_ROUTE_1\n    $NATS_ROUTE_2\n  ]\n" in cluster
+    env = container(keyed[("StatefulSet", "demo-nats")])["env"]
+    names = [e["name"] for e in env]
+    for name, key in (("NATS_ROUTE_USER", "nats-route-user"), ("NATS_ROUTE_PASSWORD", "nats-route-password")):
+        assert env[names.index(name)]["valueFrom"] == {"secretKeyRef": {"name": "demo-auth", "key": key, "optional": True}}
+    for i in range(3):
+        at = names.index(f"NATS_ROUTE_{i}")
+        assert at > names.index("NATS_ROUTE_PASSWORD")  # the kubelet expands $(VAR) of earlier vars only
+        assert env[at]["value"] == (
+            f"nats-route://$(NATS_ROUTE_USER):$(NATS_ROUTE_PASSWORD)@demo-nats-{i}.demo-nats-headless.ns1.svc:6222"
+        )
+    # Nothing secret in any ConfigMap: every credential is a `$VAR`, no URL carries user-info.
+    for cm in (c for c in children if c["kind"] == "ConfigMap"):
+        for text in cm["data"].values():
+            assert not re.search(r"://[^\s/@]*@", text)
+            assert all(line.split(":", 1)[1].strip().startswith("$")
+                       for line in text.splitlines() if re.match(r"\s*(user|password):", line))  # fmt: skip
+    secret = render_auth_secret(job, "client-pw-AAAA", "job-secret-BBBB", "route-pw-CCCC")
+    assert secret["stringData"] == {"job-secret": "job-secret-BBBB", "nats-user": "persia", "nats-password":
+                                    "client-pw-AAAA", "nats-route-user": "persia-route", "nats-route-password": "route-pw-CCCC"}  # fmt: skip
+    rendered = yaml.safe_dump(children)
+    assert not {"client-pw-AAAA", "job-secret-BBBB", "route-pw-CCCC"} & set(re.findall(r"[\w-]+", rendered))
+    # The route credentials are the servers' own: no PERSIA pod references them.
+    for child in children:
+        if child["kind"] in ("Job", "StatefulSet", "Deployment") and child["metadata"]["labels"][C.LABEL_ROLE] != "nats":
+            assert "nats-route" not in yaml.safe_dump(child["spec"]["template"])
+
+
+def test_single_nats_server_has_no_cluster_and_no_route_credentials():
+    keyed = by_key(render(make(job_body())))
+    assert "cluster {" not in keyed[("ConfigMap", "demo-nats-config")]["data"]["nats.conf"]
+    names = [e["name"] for e in container(keyed[("StatefulSet", "demo-nats")])["env"]]
+    assert names == ["SERVER_NAME", "NATS_USER", "NATS_PASSWORD"]
 
 
 def test_nats_template_overlay():
