@@ -8,6 +8,7 @@ while training goes on, with no restart."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def test_online_training_refreshes_a_running_model_server(tmp_path):
         assert job.poll() is None, "the online job ended early:\n" + tail(job_log)
         assert moved is not None, "the served prediction never moved\n" + stack.logs()
         metrics = urllib.request.urlopen(stack.url + "/metrics", timeout=10).read().decode()
-        assert 'persia_serving_model_loads_total{result="ok"}' in metrics
+        assert re.search(r'persia_serving_model_loads_total\{persia_job="[^"]+",result="ok"\}', metrics)
         assert any(p.name.startswith("inc_") for p in (tmp_path / "inc").glob("s*/inc_*"))
         # every role of both jobs serves the catalogued metrics (docs/metrics.md), while they run
         scrapes = [metrics] + [scrape(port, job, job_log) for port in

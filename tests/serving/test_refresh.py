@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from persia.metrics import job_label
 from persia.serving.local_stack import post_json
 from tests.integration.cluster import GLOBAL_CONFIG, cluster
 from tests.integration.test_training_path import make_batch
@@ -73,4 +74,4 @@ def test_incremental_packets_and_a_new_jit_file_refresh_a_running_server(persia_
             tmp.rename(model_file)
             wait_for_prediction(url, body, evaluate(model, probe))
             text = server.metrics.render().decode()
-            assert 'persia_serving_model_loads_total{result="ok"} 2.0' in text
+            assert f'persia_serving_model_loads_total{{persia_job="{job_label()}",result="ok"}} 2.0' in text

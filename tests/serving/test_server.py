@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from persia.errors import RemoteError
+from persia.metrics import job_label
 from persia.rpc import Client
 from persia.serving.local_stack import post_json
 
@@ -92,8 +93,9 @@ def test_concurrent_requests_are_batched_and_answered_separately(trained):
             assert status == 200, body
             np.testing.assert_allclose(np.asarray(body["predictions"]), want, rtol=0, atol=1e-6)
         metrics = http(f"http://127.0.0.1:{server.http_port}/metrics")[1].decode()
-        assert "persia_serving_batch_size_count 1.0" in metrics
-        assert f"persia_serving_batch_size_sum {float(total)}" in metrics
+        job = f'persia_job="{job_label()}"'
+        assert f"persia_serving_batch_size_count{{{job}}} 1.0" in metrics
+        assert f"persia_serving_batch_size_sum{{{job}}} {float(total)}" in metrics
 
 
 @pytest.mark.parametrize("body, field", [
@@ -115,8 +117,11 @@ def test_bad_requests_are_answered_400_naming_the_field(body, field):
     assert info.value.field == field
 
 
-def test_bad_requests_over_the_wire(trained):
+def test_bad_requests_over_the_wire(trained, monkeypatch):
     ckpt, probes, _ = trained
+    # the operator sets PERSIA_JOB_NAME on model-server pods: every series carries it as persia_job,
+    # which the dashboard's job filter selects on
+    monkeypatch.setenv("PERSIA_JOB_NAME", "serving-job-7")
     with serving(ckpt, ckpt / "jit_dense.pt") as server:
         base = f"http://127.0.0.1:{server.http_port}"
         status, raw = http(base + "/v1/predict", b"{not json")
@@ -142,8 +147,10 @@ def test_bad_requests_over_the_wire(trained):
         status, _ = http(base + "/v1/predict", probes[0].to_bytes(), "application/x-persia-batch")
         assert status == 200
         metrics = http(base + "/metrics")[1].decode()
-        assert 'persia_serving_errors_total{kind="bad_request"} 7.0' in metrics
-        assert 'persia_serving_requests_total{code="200",protocol="http"} 1.0' in metrics
+        assert 'persia_serving_errors_total{kind="bad_request",persia_job="serving-job-7"} 7.0' in metrics
+        assert 'persia_serving_requests_total{code="200",persia_job="serving-job-7",protocol="http"} 1.0' in metrics
+        series = [line for line in metrics.splitlines() if line.startswith("persia_serving_")]
+        assert series and all('persia_job="serving-job-7"' in line for line in series), metrics
 
 
 def test_readiness_follows_the_model_file(persia_env, tmp_path, trained):

@@ -13,11 +13,17 @@ HTTP port; several servers in one process, as in tests, do not collide).
 ``persia_serving_model_loaded_timestamp_seconds`` when the served model was loaded
 ``persia_serving_ready``                    1 when ready (model loaded, embedding workers answer)
 =========================================== ==========================================================
+
+Every series also carries ``persia_job`` (:func:`persia.metrics.job_label`: ``PERSIA_JOB_NAME``, which
+the operator sets on model-server pods), like the training roles' series, so that the dashboard's
+job filter selects them. It is added when rendering, so the call sites name only their own labels.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from persia.metrics import JOB_LABEL, job_label
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -34,9 +40,23 @@ METRIC_NAMES = (
 )
 
 
+class _WithJobLabel:
+    """``registry``'s families with ``persia_job=job`` added to every sample."""
+
+    def __init__(self, registry: CollectorRegistry, job: str):
+        self.registry = registry
+        self.job = job
+
+    def collect(self):
+        for family in self.registry.collect():  # fresh family objects on every collect
+            family.samples = [s._replace(labels={**s.labels, JOB_LABEL: self.job}) for s in family.samples]
+            yield family
+
+
 class ServingMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self.job = job_label()
         self.requests = Counter("persia_serving_requests", "requests answered", ["protocol", "code"], registry=r)
         self.latency = Histogram("persia_serving_request_latency_seconds", "request latency", ["protocol"],
                                  buckets=LATENCY_BUCKETS, registry=r)
@@ -51,4 +71,4 @@ class ServingMetrics:
         self.ready = Gauge("persia_serving_ready", "1 when ready", registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_WithJobLabel(self.registry, self.job))
