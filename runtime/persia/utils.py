@@ -99,21 +99,70 @@ def run_command(cmd: Sequence[Any], env: Mapping[str, str] | None = None) -> Non
     subprocess.check_call(cmd, env=None if env is None else dict(env))
 
 
-def advertise_host() -> str:
-    """The address other roles reach this process on: ``PERSIA_ADVERTISE_HOST``, else the bind
-    address when it is one address (``PERSIA_BIND_ADDRESS``), else the hostname's."""
-    from persia.security import bind_address
+SOCKET_IFNAME_ENV = "PERSIA_SOCKET_IFNAME"
 
-    host = os.environ.get("PERSIA_ADVERTISE_HOST")
-    if host:
-        return host
-    bound = bind_address()
-    if bound not in ("0.0.0.0", "::"):
-        return bound
+
+def interface_ipv4(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` (``SIOCGIFADDR``), None when it has none."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _route_ipv4() -> str | None:
+    """The source address of this host's default route (a UDP connect sends nothing), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+            return s.getsockname()[0]
+        except OSError:
+            return None
+
+
+def _hostname_ipv4() -> str | None:
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        return None
+
+
+def choose_advertise_host(env: Mapping[str, str], bound: str, interface_ip, hostname_ip, route_ip) -> str:
+    """The address other roles reach this process on (pure; the lookups are passed in):
+    ``PERSIA_ADVERTISE_HOST``; else the bind address when it is one address (where we listen);
+    else ``PERSIA_SOCKET_IFNAME``'s address (PERSIA's setting; an interface without an IPv4
+    address is an error naming it); else the hostname's address, unless that is loopback (Debian
+    maps the hostname to 127.0.1.1: peers on other hosts would connect to themselves), then the
+    default route's source address; loopback only when nothing else is there."""
+    host = env.get("PERSIA_ADVERTISE_HOST")
+    if host:
+        return host
+    if bound not in ("0.0.0.0", "::"):
+        return bound
+    ifname = env.get(SOCKET_IFNAME_ENV)
+    if ifname:
+        address = interface_ip(ifname)
+        if address is None:
+            names = sorted(n for _, n in socket.if_nameindex())
+            raise ValueError(f"{SOCKET_IFNAME_ENV}={ifname!r}: no such interface with an IPv4 address "
+                             f"(interfaces here: {', '.join(names)})")
+        return address
+    for address in (hostname_ip(), route_ip()):
+        if address is not None and not address.startswith("127."):
+            return address
+    return "127.0.0.1"
+
+
+def advertise_host() -> str:
+    """The address other roles reach this process on (``choose_advertise_host``)."""
+    from persia.security import bind_address
+
+    return choose_advertise_host(os.environ, bind_address(), interface_ipv4, _hostname_ipv4, _route_ipv4)
 
 
 def report_result(**metrics: Any) -> None:
