@@ -14,15 +14,46 @@ DEFAULT_LOGGER_NAME = "log"
 _default_logger: logging.Logger | None = None
 
 
+_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
+           "warning": logging.WARNING, "error": logging.ERROR, "critical": logging.CRITICAL,
+           "off": logging.CRITICAL + 10}
+
+
+def parse_log_level(text: str) -> tuple[int, dict[str, int], list[str]]:
+    """``LOG_LEVEL`` (pure): a level name, or PERSIA's Rust ``env_logger`` filter, directives
+    separated by commas, each ``level`` (everything) or ``target=level`` (one logger; ``::`` read
+    as ``.``). Returns the root level, the per-logger levels, and the directives not understood
+    (reported, not silently read as INFO)."""
+    root, loggers, problems = logging.INFO, {}, []
+    for directive in filter(None, (d.strip() for d in text.split(","))):
+        target, _, name = directive.rpartition("=")
+        level = _LEVELS.get(name.strip().lower())
+        if level is None or (target == "" and "=" in directive):
+            problems.append(directive)
+        elif target:
+            loggers[target.strip().replace("::", ".")] = level
+        else:
+            root = level
+    return root, loggers, problems
+
+
 def setup_logging(role: str, level: str | None = None) -> None:
-    level_name = (level or os.environ.get("LOG_LEVEL", "info")).upper()
+    text = level or os.environ.get("LOG_LEVEL", "info")
+    root_level, loggers, problems = parse_log_level(text)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(_FORMAT.format(role=role), "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(getattr(logging, level_name, logging.INFO))
+    root.setLevel(root_level)
     for noisy in ("nats", "grpc", "asyncio"):
         logging.getLogger(noisy).setLevel(max(root.level, logging.WARNING))
+    for name, lvl in loggers.items():
+        logging.getLogger(name).setLevel(lvl)
+    if problems:  # at the root's level if it is above WARNING: a level that hid this would hide the mistake
+        logging.getLogger(__name__).log(
+            max(logging.WARNING, min(root_level, logging.CRITICAL)),
+            "LOG_LEVEL=%r: ignored %s (levels: %s; or target=level, comma-separated)",
+            text, ", ".join(repr(p) for p in problems), ", ".join(_LEVELS))
 
 
 class levelFilter(logging.Filter):  # noqa: N801 - PERSIA's name
