@@ -53,6 +53,8 @@ def test_infer_ctx_serves_the_trained_embeddings(persia_env, tmp_path):
                 np.testing.assert_array_equal(got.detach().numpy(), want)
             out, _ = ctx.forward(batch)
             assert out.shape == (probe.batch_size, 1)
+            with pytest.raises(ValueError, match=r"device_id=0: this context's tensors go to cpu"):
+                ctx.get_embedding_from_bytes(probe.to_bytes(), device_id=0)  # PERSIA ignored it
     finally:
         worker.stop()
         for s in servers:

@@ -345,10 +345,19 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         return self.model(non_id, emb)
 
     # -- direct embedding access ------------------------------------------------------------------
+    def _check_device_id(self, device_id: int | None) -> None:
+        """PERSIA's per-call ``device_id``: the batch's tensors are built on the context's device
+        (``prepare_features``), so another device is refused rather than ignored."""
+        if device_id is not None and device_id != self.device_id:
+            raise ValueError(f"device_id={device_id!r}: this context's tensors go to {self.device} (its device_id "
+                             f"{self.device_id!r}); create the context with device_id={device_id!r} instead")
+
     def get_embedding_from_data(self, persia_batch: PersiaBatch, device_id: int | None = None) -> PersiaTrainingBatch:
+        self._check_device_id(device_id)
         return self._lookup_batch(persia_batch)
 
     def get_embedding_from_bytes(self, data: bytes, device_id: int | None = None) -> PersiaTrainingBatch:
+        self._check_device_id(device_id)
         return self._lookup_batch(PersiaBatch.from_bytes(data))
 
     def get_embedding_size(self) -> list[int]:
