@@ -108,7 +108,8 @@ def _shown(var: EnvVar) -> str:
     return repr(redact(var.value or ""))
 
 
-def check_user_nats_url(env: list[EnvVar], roles: dict[str, RoleSpec], managed: bool | None) -> list[str]:
+def check_user_nats_url(env: list[EnvVar], roles: dict[str, RoleSpec], managed: bool | None,
+                        external_url: str | None = None) -> list[str]:
     """A PERSIA_NATS_URL the user sets (value or valueFrom, in spec.env or a role's env)
     replaces the managed NATS for the whole job: every role must get the same one (roles on
     different NATS servers never meet), the operator must be able to read it (to check that
@@ -148,6 +149,14 @@ def check_user_nats_url(env: list[EnvVar], roles: dict[str, RoleSpec], managed: 
             f"nats.managed: true and {NATS_URL_ENV} in {', '.join(sources)} are mutually exclusive: the pods "
             "would reach that NATS with the managed NATS's credentials"
         )
+    if external_url:
+        other = {where: var for where, var in sources.items() if var.value_from is not None or var.value != external_url}
+        if other:
+            shown = ", ".join(f"{where}: {_shown(var)}" for where, var in other.items())
+            problems.append(
+                f"nats.externalURL {redact(external_url)!r} and {NATS_URL_ENV} ({shown}) differ: the pods would use "
+                f"{NATS_URL_ENV} while the operator checks nats.externalURL; set one of them"
+            )
     return problems
 
 
@@ -705,7 +714,7 @@ class PersiaJobSpec(_Model):
             problems.append("persiaEnv.PERSIA_NN_WORKER_ENTRY is required (the NN worker entry script)")
         if self.dataloader is not None and not self.persia_env.PERSIA_DATALOADER_ENTRY:
             problems.append("persiaEnv.PERSIA_DATALOADER_ENTRY is required when spec.dataloader is set")
-        problems += check_user_nats_url(self.env, self.roles(), self.nats.managed)
+        problems += check_user_nats_url(self.env, self.roles(), self.nats.managed, self.nats.external_url)
         # The CEL rule's terms (it reads spec.env only): with nats.auth/tls, the URL goes there.
         if (self.nats.auth or self.nats.tls) and not (self.nats.external_url or _env_var(self.env, NATS_URL_ENV)):
             problems.append(

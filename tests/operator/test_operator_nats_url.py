@@ -141,12 +141,24 @@ async def test_reconciler_gets_the_url_secret_by_name():
         (job_body(env=[{"name": "PERSIA_NATS_URL", "value": ""}]), "env: PERSIA_NATS_URL is empty"),
         (in_roles(job_body(nats={"auth": {"secretName": "team-creds"}}), AS_VALUE),
          "nats.auth and nats.tls are for an external NATS (nats.externalURL, or PERSIA_NATS_URL in spec.env)"),
+        (job_body(env=[AS_VALUE], nats={"externalURL": "nats://u:hunter2@other:4222"}),
+         "nats.externalURL 'nats://***@other:4222' and PERSIA_NATS_URL (env: 'nats://team-nats.infra:4222') differ: "
+         "the pods would use PERSIA_NATS_URL while the operator checks nats.externalURL; set one of them"),
+        (job_body(env=[FROM_SECRET], nats={"externalURL": "nats://team-nats.infra:4222"}),
+         "and PERSIA_NATS_URL (env: valueFrom {'secretKeyRef': {'name': 'team-nats', 'key': 'url'}}) differ"),
     ],
     ids=["one role only", "roles differ", "one role missing", "managed true and spec.env", "managed true and roles",
-         "configMapKeyRef", "empty", "auth with roles' env only"],
+         "configMapKeyRef", "empty", "auth with roles' env only", "externalURL and env differ",
+         "externalURL and a URL from a Secret"],
 )
 def test_roles_on_different_nats_servers_are_an_error(body, expected):
     with pytest.raises(SpecError) as err:
         validate_job(body)
     assert any(expected in p for p in err.value.problems), err.value.problems
     assert "hunter2" not in str(err.value)  # URL user-info is not echoed into status or events
+
+
+def test_external_url_and_the_same_url_in_env_agree():
+    """PERSIA's manifests set PERSIA_NATS_URL in spec.env; naming the same server in
+    nats.externalURL too is not a conflict."""
+    validate_job(job_body(env=[AS_VALUE], nats={"externalURL": AS_VALUE["value"]}))
