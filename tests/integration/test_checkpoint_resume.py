@@ -19,6 +19,7 @@ from persia.data import DataLoader, StreamingDataset
 from persia.data_loader import stream as loader_stream
 from persia.data_loader.stream import end_of_stream
 from persia.embedding.optim import Adagrad
+from persia.nn_worker import accounting
 from persia.nn_worker import checkpoint_plan as plan
 from persia.nn_worker.checkpoint import CheckpointLoadError
 
@@ -310,3 +311,51 @@ def test_the_uneven_tail_moves_the_loaders_position_so_a_later_checkpoint_resume
     progress = json.loads((tmp_path / "ckpts" / "ckpt-000000000006" / plan.PROGRESS).read_text())
     assert progress["loaders"] == {"0": {"0": 8}}, progress
     assert live["loaders"] == {"0": 10}, live  # acknowledged: every batch of both epochs by the end
+
+
+class TailLookupFails(OtherRankHas):
+    """``OtherRankHas`` whose lookups of the batches from ``fail_from`` on fail with an error that
+    is not ``BatchLost`` (a PS error, say)."""
+
+    def __init__(self, *args, fail_from: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail_from = fail_from
+
+    def _failing(self, msg: dict) -> bool:
+        return int(msg["batch_id"]) >= self.fail_from
+
+    def _lookup_message(self, msg, holds_permit, transferred=None):
+        if self._failing(msg):
+            raise RuntimeError(f"injected lookup failure of batch {msg['batch_id']}")
+        return super()._lookup_message(msg, holds_permit, transferred)
+
+    def _lookup_messages(self, msgs, holds_permit, transferred):
+        if any(self._failing(m) for m in msgs):
+            return [RuntimeError(f"injected lookup failure of batch {m['batch_id']}") if self._failing(m)
+                    else self._lookup_message(m, h, t) for m, h, t in zip(msgs, holds_permit, transferred)]
+        return super()._lookup_messages(msgs, holds_permit, transferred)
+
+
+def test_a_trailing_batch_whose_lookup_fails_is_counted_as_dropped(persia_env, caplog):
+    """The peer rank has 4 batches, this one 6: it trains 4 and drops the rest (the uneven tail).
+    A dropped batch whose lookup failed was skipped without a count or a word, so the job ended
+    with acknowledged batches "NOT accounted for" and no cause."""
+    accounting.reset()
+    errors: list = []
+    sender = send_in_thread([make_batch(i) for i in range(6)], errors)
+    model = Model()
+    with cluster():
+        with caplog.at_level("ERROR", logger="persia.nn_worker.loader"):
+            with TailLookupFails(model=model, embedding_optimizer=Adagrad(lr=0.1), peer_batches=[4], fail_from=5,
+                                 dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+                for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
+                    out, labels = ctx.forward(batch)
+                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                ctx.wait_for_pending_updates()
+        sender.join(30)
+    assert not errors, errors
+    assert ctx.step == 4
+    assert accounting.ACCOUNT.trained == 4 and dict(accounting.ACCOUNT.failed) == {"uneven_tail": 2}
+    assert accounting.ACCOUNT.unaccounted() == 0
+    assert any("failed its lookup (RuntimeError: injected lookup failure of batch 5)" in r.getMessage()
+               for r in caplog.records)

@@ -218,6 +218,7 @@ class _LoaderIterator:
         except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
             failed: Future = Future()
             failed.set_exception(exc)
+            failed.pipeline_failure = True  # type: ignore[attr-defined] - not a batch's lookup
             self._put(failed, force=True)
             return
         self._put(_END, force=True)
@@ -232,7 +233,8 @@ class _LoaderIterator:
             futures = [Future() for _ in group]
             task = self._pool.submit(self._timed_lookup_group, group, futures)
             task.add_done_callback(lambda t, fs=futures: _settle(t, fs))
-        for (_item, _holds, transferred), fut in zip(group, futures):
+        for (item, _holds, transferred), fut in zip(group, futures):
+            fut.batch_loader = item.get("loader")  # type: ignore[attr-defined] - whose position a failure moves
             if transferred is not None:  # a lookup cancelled at shutdown still applies it
                 fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
         for fut in futures:
@@ -377,7 +379,15 @@ class _LoaderIterator:
                 except BatchLost as exc:  # lost either way: counted as in training
                     self._lost(exc)
                     continue
-                except BaseException:  # noqa: BLE001
+                except BaseException as exc:  # noqa: BLE001 - dropped anyway; counted and said, not raised
+                    if getattr(fut, "pipeline_failure", False):
+                        log.error("the lookup pipeline failed while the uneven tail was dropped: %s: %s",
+                                  type(exc).__name__, exc)
+                        break
+                    loader = getattr(fut, "batch_loader", None)
+                    log.error("a trailing batch (data loader %s) failed its lookup (%s: %s) after every NN rank "
+                              "agreed to stop; counted as failed (uneven_tail)", loader, type(exc).__name__, exc)
+                    self._untrained(loader, "uneven_tail")
                     continue
                 self._untrained(batch.loader, "uneven_tail")
                 self._discard(batch)
