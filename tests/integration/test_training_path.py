@@ -205,6 +205,32 @@ def test_a_dump_that_fails_midway_leaves_no_directory_that_reads_as_a_checkpoint
             ctx.load_checkpoint(str(tmp_path / "ckpt"))
 
 
+def test_a_dump_without_blocking_that_fails_is_raised_not_lost(persia_env, tmp_path):
+    """``dump_checkpoint(..., blocking=False)`` runs the PS dumps on a thread; its error waited
+    for ``wait_for_dump_embedding()``. Nobody calling it (the last dump of a script), the context
+    exited cleanly and the process with 0; a second dump started meanwhile overwrote the error."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "s0").write_text("a file where the PS writes its shard directory")
+    model = Model()
+    with cluster():
+        train(model, 2, staleness=1)
+        with pytest.raises(Exception, match="s0") as at_exit:
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+                ctx.dump_checkpoint(str(blocked), blocking=False)
+        assert not (blocked / "embedding_dump_done").exists()
+
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            ctx.dump_embedding(str(blocked), blocking=False)
+            with pytest.raises(type(at_exit.value), match="s0"):  # the first one's error, before the next starts
+                ctx.dump_embedding(str(tmp_path / "next"), blocking=False)
+            ctx.dump_embedding(str(tmp_path / "next"), blocking=False)
+            ctx.wait_for_dump_embedding()
+        assert (tmp_path / "next" / "embedding_dump_done").exists()
+
+
 def test_a_checkpoint_without_its_dense_file_is_refused_and_without_its_optimizer_file_warned(
         persia_env, tmp_path, caplog):
     """PERSIA skipped a dense file that was not there and kept the model as it was: a typo in

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,6 +15,8 @@ from typing import Any, Callable
 import torch
 
 from persia.bus import subject
+
+log = logging.getLogger(__name__)
 
 EMBEDDING_DUMP_DONE = "embedding_dump_done"
 CHECKPOINT_FORMAT = "persia-k8s-checkpoint/1"
@@ -56,10 +59,16 @@ class EmbeddingCheckpoints:
     def _wait_for_updates(self) -> None:
         pass
 
+    def _begin_dump(self, directory: Path) -> None:
+        """``begin_dump`` once the dump started earlier with ``blocking=False`` ended (its error
+        raised): it would write its done marker into a directory this dump is rewriting."""
+        self._wait_kind("dump")
+        begin_dump(directory)
+
     def dump_embedding(self, dst_dir: str, blocking: bool = True) -> None:
         """Every PS writes its own shard files; then a top-level done marker says the dump is whole."""
         directory = self._local_dir(dst_dir)
-        begin_dump(directory)
+        self._begin_dump(directory)
         self._wait_for_updates()
 
         def run():
@@ -124,6 +133,9 @@ class EmbeddingCheckpoints:
         self._run_maybe_async(run, blocking, "load")
 
     def _run_maybe_async(self, fn, blocking: bool, kind: str) -> None:
+        # one dump (or load) at a time, as the PS replicas take them: a new one waits for the one
+        # started with blocking=False, and that one's error is raised here, not overwritten
+        self._wait_kind(kind)
         if blocking:
             fn()
             return
@@ -143,10 +155,30 @@ class EmbeddingCheckpoints:
         t = getattr(self, f"_{kind}_thread")
         if t is not None:
             t.join()
+            setattr(self, f"_{kind}_thread", None)
         err = getattr(self, f"_{kind}_error")
         setattr(self, f"_{kind}_error", None)
         if err is not None:
             raise err
+
+    def _finish_background(self, exc: BaseException | None) -> None:
+        """At the context's exit, a dump or load started with ``blocking=False`` that nobody
+        waited for: joined, and its error raised, so a failed last dump is not an exit 0. Leaving
+        with an exception already, it is not waited for, and its state goes to the log."""
+        errors = []
+        for kind in ("dump", "load"):
+            thread = getattr(self, f"_{kind}_thread", None)
+            if exc is not None and thread is not None and thread.is_alive():
+                log.error("leaving with a %s started with blocking=False still running; it is abandoned "
+                          "(a dump's directory stays unfinished: no %s)", kind, EMBEDDING_DUMP_DONE)
+                continue
+            try:
+                self._wait_kind(kind)
+            except BaseException as err:  # noqa: BLE001 - raised below, or logged beside exc
+                errors.append(err)
+                log.error("the %s started with blocking=False failed: %s: %s", kind, type(err).__name__, err)
+        if errors and exc is None:
+            raise errors[0]
 
     def wait_for_dump_embedding(self) -> None:
         self._wait_kind("dump")
@@ -162,7 +194,7 @@ class EmbeddingCheckpoints:
                         jit_dense_filename: str = "jit_dense.pt", blocking: bool = True,
                         with_jit_model: bool = False) -> None:
         directory = self._local_dir(dst_dir)
-        begin_dump(directory)
+        self._begin_dump(directory)
         if self.model is not None:
             dense = self._dense_module()
             write_atomically(directory / dense_filename, lambda tmp: torch.save(dense.state_dict(), tmp))

@@ -126,9 +126,12 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             self.model.to(self.device)
 
     def _exit(self, exc: BaseException | None) -> None:
-        if self._nn_info_sub is not None:
-            self.bus.unsubscribe(self._nn_info_sub)
-            self._nn_info_sub = None
+        try:
+            self._finish_background(exc)
+        finally:
+            if self._nn_info_sub is not None:
+                self.bus.unsubscribe(self._nn_info_sub)
+                self._nn_info_sub = None
 
     def _start_streaming(self) -> None:
         """Answer the data loaders' NN-worker discovery (``nn.info``). Every context that consumes

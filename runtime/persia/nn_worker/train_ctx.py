@@ -25,7 +25,7 @@ from persia.nn_worker.embedding_ctx import (
 )
 from persia.nn_worker.progress import TrainingProgress
 from persia.nn_worker import checkpoint_plan
-from persia.nn_worker.checkpoint import begin_dump, check_optimizer_state, require_whole, write_atomically
+from persia.nn_worker.checkpoint import check_optimizer_state, require_whole, write_atomically
 from persia.nn_worker.cpu_placement import TrainingPlacement
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
@@ -599,7 +599,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                         blocking: bool = True, with_jit_model: bool = False) -> None:
         self._wait_for_updates()
         directory = self._local_dir(dst_dir)
-        begin_dump(directory)
+        self._begin_dump(directory)
         optimizer_state = self.dense_optimizer.state_dict()
         write_atomically(directory / opt_filename, lambda tmp: torch.save(optimizer_state, tmp))
         super().dump_checkpoint(str(directory), dense_model_filename, jit_dense_model_filename, blocking, with_jit_model)
