@@ -23,6 +23,22 @@ def _int_env(name: str, default: int | None) -> int | None:
         raise ValueError(f"environment variable {name} must be an integer, got {raw!r}") from None
 
 
+def env_flag(name: str, convert, what: str, default, environ=None) -> dict:
+    """``add_argument`` keywords for a flag whose default comes from environment variable ``name``
+    (unset or empty: ``default``). The default stays text, which argparse converts with ``type``
+    only when that role's parser runs: a bad value of the model server's variable cannot stop a
+    PS. A bad value's error names the flag and the variable: ``argument --port: invalid integer
+    (the flag, or env PERSIA_PORT) value: '80a'``."""
+    environ = os.environ if environ is None else environ
+
+    def parse(text: str):
+        return convert(text)
+
+    parse.__name__ = f"{what} (the flag, or env {name})"
+    raw = environ.get(name)
+    return {"type": parse, "default": str(default) if raw is None or raw == "" else raw}
+
+
 def switch_on(name: str, environ, default: bool = True) -> bool:
     """Environment variable ``name`` as an on/off switch: 1/on/true/yes or 0/off/false/no (any
     case), ``default`` when unset or empty; a ValueError names the variable and any other value."""

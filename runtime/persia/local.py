@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from persia.context import torch_threads_setting
-from persia.env import MAX_GRACE_S, grace_period_s, number_in_range
+from persia.env import MAX_GRACE_S, env_flag, grace_period_s, number_in_range
 from persia.errors import PersiaValidationError
 from persia.nn_worker.cpu_placement import ENV as TRAINING_CPUS_ENV, format_cpus
 from persia.procs import spawn, stop_in_order
@@ -69,7 +69,7 @@ def add_local_parser(sub) -> None:
                         "the other CPUs (PERSIA_TRAINING_CPUS); off: the kernel places every thread")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--result-file", default=None, help="write the trainer's PERSIA_RESULT JSON here")
-    p.add_argument("--max-restarts", type=int, default=int(os.environ.get("PERSIA_MAX_RESTARTS", "3")),
+    p.add_argument("--max-restarts", **env_flag("PERSIA_MAX_RESTARTS", int, "integer", 3),
                    help="whole-job restarts after a role is killed or a server exits (default 3; "
                         "each restart resumes from the latest checkpoint)")
     p.add_argument("--grace-period", type=_grace_period_arg, default=grace_period_s(),

@@ -16,9 +16,12 @@ from typing import Annotated, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
 
-MAX_BATCH_SIZE = int(os.environ.get("PERSIA_MAX_BATCH_SIZE", 65535))
+from persia.env import int_in_range
+
+MAX_BATCH_SIZE = int_in_range("PERSIA_MAX_BATCH_SIZE", os.environ.get("PERSIA_MAX_BATCH_SIZE") or "65535", 1, 1 << 31)
 """Samples per batch (the embedding worker already refused more on the NATS path)."""
-MAX_ARRAY_ELEMENTS = int(os.environ.get("PERSIA_MAX_ARRAY_ELEMENTS", 1 << 28))
+MAX_ARRAY_ELEMENTS = int_in_range("PERSIA_MAX_ARRAY_ELEMENTS", os.environ.get("PERSIA_MAX_ARRAY_ELEMENTS") or str(1 << 28),
+                                  1, 1 << 40)
 """Elements of one array in a request (2 GiB of uint64 IDs); also bounds rows x dim of a lookup."""
 MAX_DIM = 1 << 16
 MAX_ITEMS = 1 << 16

@@ -9,6 +9,8 @@ import os
 import signal
 import threading
 
+from persia.env import env_flag
+
 log = logging.getLogger("persia.serving")
 
 
@@ -24,13 +26,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--embedding-worker", action="append", default=None, dest="embedding_workers",
                    help="host:port of an inference embedding worker (repeat, or comma-separate); "
                         "env PERSIA_SERVE_EMBEDDING_WORKERS, else PERSIA's EMBEDDING_WORKER_SERVICE")
-    p.add_argument("--http-port", type=int, default=int(_env("PERSIA_SERVE_HTTP_PORT", 8080)))
-    p.add_argument("--grpc-port", type=int, default=int(_env("PERSIA_SERVE_GRPC_PORT", 8081)),
+    p.add_argument("--http-port", **env_flag("PERSIA_SERVE_HTTP_PORT", int, "integer", 8080))
+    p.add_argument("--grpc-port", **env_flag("PERSIA_SERVE_GRPC_PORT", int, "integer", 8081),
                    help="-1 disables gRPC")
-    p.add_argument("--max-batch-size", type=int, default=int(_env("PERSIA_SERVE_MAX_BATCH_SIZE", 512)))
-    p.add_argument("--max-latency-ms", type=float, default=float(_env("PERSIA_SERVE_MAX_LATENCY_MS", 5.0)))
-    p.add_argument("--workers", type=int, default=int(_env("PERSIA_SERVE_WORKERS", 2)))
-    p.add_argument("--model-poll-seconds", type=float, default=float(_env("PERSIA_SERVE_MODEL_POLL_SECONDS", 5.0)))
+    p.add_argument("--max-batch-size", **env_flag("PERSIA_SERVE_MAX_BATCH_SIZE", int, "integer", 512))
+    p.add_argument("--max-latency-ms", **env_flag("PERSIA_SERVE_MAX_LATENCY_MS", float, "number", 5.0))
+    p.add_argument("--workers", **env_flag("PERSIA_SERVE_WORKERS", int, "integer", 2))
+    p.add_argument("--model-poll-seconds", **env_flag("PERSIA_SERVE_MODEL_POLL_SECONDS", float, "number", 5.0))
     return p
 
 
