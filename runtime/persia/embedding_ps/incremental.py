@@ -12,12 +12,20 @@ A packet is written once ``incremental_buffer_size`` distinct signs have changed
 The packet name is taken once per packet (PERSIA took it per chunk, so chunks could straddle two
 directories). Rows carry their current weights and optimizer state; evicted rows are skipped
 (deletions are not shipped, as in PERSIA).
+
+Failures are not silent: a packet that cannot be written (disk full, an NFS hiccup) keeps its rows
+pending for the next packet (at most ``max_retained`` of them) and is counted in
+``write_failures``; ``flush`` and ``close`` raise while rows are left unshipped. An inference PS
+whose ``incremental_dir`` does not exist logs an error (once per change) and says so in
+``dir_missing``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
+import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +34,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from persia.embedding_ps import checkpoint as ckpt
+from persia.env import float_in_range
 from persia.hashing import PS_SHARD_SALT, shard_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,13 +45,30 @@ log = logging.getLogger(__name__)
 INC_DONE_MARKER = "inc_update_done"
 INC_FORMAT = "persia-embedding-ps-inc/1"
 _ANY_DIM = 0  # key of signs recorded without a dim: looked up in every dim when written
+POLL_ENV = "PERSIA_INCREMENTAL_POLL_SECONDS"
+DEFAULT_POLL_S = 10.0  # PERSIA's inference PS scans every 10 s
+MIN_POLL_S, MAX_POLL_S = 0.01, 86_400.0
+
+
+def poll_interval_s(environ=None) -> float:
+    """``PERSIA_INCREMENTAL_POLL_SECONDS`` (default 10): how often an inference PS scans for new
+    packets. 0, a negative number or NaN would make the poll loop spin, and a typo ("10s") must name
+    the variable: a ValueError says which, the range and the value."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(POLL_ENV, "").strip()
+    if raw == "":
+        return DEFAULT_POLL_S
+    return float_in_range(POLL_ENV, raw, MIN_POLL_S, MAX_POLL_S, "seconds")
 
 
 class IncrementalDumper:
     """Collects changed signs of a training store and writes them as packets in the background.
 
     With ``attach`` (default) it listens to the store's updates itself, so callers need not call
-    :meth:`record`; ``record`` is for signs changed some other way.
+    :meth:`record`; ``record`` is for signs changed some other way. The signs of a packet that
+    failed to write stay pending (the next packet retries them); beyond ``max_retained`` (default
+    ``max(4 * buffer_size, 2**20)`` distinct signs) the excess is dropped, logged and counted in
+    ``rows_dropped``.
     """
 
     def __init__(
@@ -55,6 +81,7 @@ class IncrementalDumper:
         *,
         attach: bool = True,
         fsync: bool = True,
+        max_retained: int | None = None,
     ):
         if buffer_size <= 0:
             raise ValueError(f"incremental_buffer_size must be positive, got {buffer_size}")
@@ -64,9 +91,12 @@ class IncrementalDumper:
         self.buffer_size = int(buffer_size)
         self.num_workers = max(1, int(num_workers))
         self.fsync = fsync
+        self.max_retained = max(1, int(max_retained or max(4 * self.buffer_size, 1 << 20)))
         self.packets_written = 0
         self.rows_written = 0
-        self.last_error: BaseException | None = None
+        self.write_failures = 0  # packets that could not be written (their rows stay pending)
+        self.rows_dropped = 0  # changed signs given up on: more failed rows than max_retained
+        self.last_error: BaseException | None = None  # of the latest write; None once one succeeds
         self._pending: dict[int, list[np.ndarray]] = {}
         self._pending_count = 0
         self._next_check = self.buffer_size
@@ -99,18 +129,24 @@ class IncrementalDumper:
                 self._cond.notify_all()
 
     def flush(self, timeout: float | None = 60.0) -> None:
-        """Write whatever is pending now and wait until it is on disk."""
+        """Write whatever is pending now and wait until it is on disk; a RuntimeError if that write
+        failed (its rows stay pending: the next flush or packet retries them)."""
         with self._cond:
             self._flush_requested += 1
             wanted = self._flush_requested
             self._cond.notify_all()
             if not self._cond.wait_for(lambda: self._flush_done >= wanted, timeout):
                 raise TimeoutError("incremental packet not written in time")
-        if self.last_error is not None:
-            raise RuntimeError(f"incremental dump failed: {self.last_error}") from self.last_error
+            error, unshipped = self.last_error, self._pending_count
+        if error is not None:
+            raise RuntimeError(
+                f"incremental dump to {self.directory} failed, {unshipped} changed signs pending: {error}"
+            ) from error
 
     def close(self) -> None:
-        """Write what is pending, stop the writer thread and detach from the store."""
+        """Write what is pending, stop the writer thread and detach from the store. Raises a
+        RuntimeError if that last packet failed: its rows never reach the inference PSs, and a PS
+        shutting down must say so rather than exit as if they had."""
         if self._attached:
             self.store.remove_update_listener(self._on_update)
             self._attached = False
@@ -120,6 +156,12 @@ class IncrementalDumper:
             self._closing = True
             self._cond.notify_all()
         self._thread.join()
+        if self.last_error is not None:
+            raise RuntimeError(
+                f"incremental dump to {self.directory} failed at shutdown: {self._pending_count} changed "
+                f"signs not shipped ({self.write_failures} failed writes, {self.rows_dropped} signs dropped "
+                f"earlier): {self.last_error}"
+            ) from self.last_error
 
     # -- writer thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -137,15 +179,23 @@ class IncrementalDumper:
             # deduplicate outside the lock: update() keeps appending meanwhile
             batch = {d: np.unique(np.concatenate(arrs)) for d, arrs in pending.items() if arrs}
             distinct = sum(a.shape[0] for a in batch.values())
+            attempted, error = False, None
             if distinct and (forced or distinct >= self.buffer_size):
+                attempted = True
                 try:
                     self.write_packet(batch)
-                except Exception as exc:  # keep serving; flush() reports it, and it is logged
-                    log.exception("incremental packet write failed")
-                    self.last_error = exc
-                batch, distinct = {}, 0
+                except Exception as exc:  # keep serving and keep the rows; flush()/close() report it
+                    error = exc
+                    log.exception("incremental packet write to %s failed (%d changed signs kept for the next "
+                                  "packet)", self.directory, distinct)
+                    batch, distinct = self._bound(batch, distinct)
+                else:
+                    batch, distinct = {}, 0
             with self._cond:
-                if distinct:  # not enough distinct signs yet: keep them, look again after enough more
+                if attempted:
+                    self.last_error = error
+                    self.write_failures += error is not None
+                if distinct:  # not enough distinct signs yet, or not written: keep them, look again later
                     for d, arr in batch.items():
                         self._pending.setdefault(d, []).insert(0, arr)
                     self._pending_count += distinct
@@ -156,6 +206,20 @@ class IncrementalDumper:
                 self._cond.notify_all()
             if closing:
                 return
+
+    def _bound(self, batch: dict[int, np.ndarray], distinct: int) -> tuple[dict[int, np.ndarray], int]:
+        """At most ``max_retained`` of a failed packet's signs, kept for the next one: a write that
+        keeps failing must not grow the pending set without bound."""
+        if distinct <= self.max_retained:
+            return batch, distinct
+        kept, room = {}, self.max_retained
+        for d, arr in batch.items():
+            kept[d], room = arr[:room], room - min(room, arr.shape[0])
+        self.rows_dropped += distinct - self.max_retained
+        log.error("incremental dump to %s keeps failing: %d changed signs dropped (more than %d pending); "
+                  "their rows reach the inference PSs only when they change again",
+                  self.directory, distinct - self.max_retained, self.max_retained)
+        return {d: a for d, a in kept.items() if a.shape[0]}, self.max_retained
 
     def write_packet(self, batch: dict[int, np.ndarray]) -> Path | None:
         """Write one packet directory with the current rows of ``batch`` (dim -> signs)."""
@@ -171,19 +235,24 @@ class IncrementalDumper:
         self._seq += 1
         pdir = self.directory / f"inc_{now:%Y%m%d%H%M%S}_{now.microsecond:06d}_{self._seq:06d}"
         pdir.mkdir(parents=True, exist_ok=False)
-        jobs = []
-        for d, found, weights, state, code in parts:
-            for j, idx in enumerate(np.array_split(np.arange(found.shape[0]), min(self.num_workers, found.shape[0]))):
-                jobs.append((pdir / f"dim_{d}_part_{j}.inc", found[idx], weights[idx], state[idx], code))
-        with ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="ps-inc") as pool:
-            entries = list(pool.map(
-                lambda job: ckpt.write_rows_file(*job, kind=ckpt.KIND_INCREMENTAL, fsync=self.fsync), jobs
-            ))
-        rows = sum(e["rows"] for e in entries)
-        ckpt.write_json_atomic(pdir / INC_DONE_MARKER, {
-            "format": INC_FORMAT, "replica_index": self.replica_index, "rows": rows,
-            "created_unix": now.timestamp(), "files": entries,
-        }, fsync=self.fsync)
+        try:
+            jobs = []
+            for d, found, weights, state, code in parts:
+                chunks = np.array_split(np.arange(found.shape[0]), min(self.num_workers, found.shape[0]))
+                for j, idx in enumerate(chunks):
+                    jobs.append((pdir / f"dim_{d}_part_{j}.inc", found[idx], weights[idx], state[idx], code))
+            with ThreadPoolExecutor(max_workers=self.num_workers, thread_name_prefix="ps-inc") as pool:
+                entries = list(pool.map(
+                    lambda job: ckpt.write_rows_file(*job, kind=ckpt.KIND_INCREMENTAL, fsync=self.fsync), jobs
+                ))
+            rows = sum(e["rows"] for e in entries)
+            ckpt.write_json_atomic(pdir / INC_DONE_MARKER, {
+                "format": INC_FORMAT, "replica_index": self.replica_index, "rows": rows,
+                "created_unix": now.timestamp(), "files": entries,
+            }, fsync=self.fsync)
+        except BaseException:  # no half-written packet left behind: the retry writes a new one
+            shutil.rmtree(pdir, ignore_errors=True)
+            raise
         self.packets_written += 1
         self.rows_written += rows
         return pdir
@@ -222,7 +291,10 @@ class IncrementalApplier:
     """Inference side: applies packets it has not applied yet to a store, oldest first.
 
     Call :meth:`poll` (or :meth:`start` a thread polling every ``interval`` seconds). A packet that
-    cannot be read is logged, counted in ``rejected`` and not retried.
+    cannot be read is logged, counted in ``rejected`` and not retried. A missing
+    ``incremental_dir`` (a typo, a volume mounted elsewhere) would leave the served embeddings
+    frozen without a word: it is logged as an error when first seen missing (again only after it
+    has appeared meanwhile) and ``dir_missing`` says so until it exists.
     """
 
     def __init__(self, store: "EmbeddingStore", incremental_dir: str | Path, replica_index: int, replica_size: int):
@@ -236,6 +308,7 @@ class IncrementalApplier:
         self.rejected: set[str] = set()
         self.rows_applied = 0
         self.last_delay_sec: float | None = None  # PERSIA's inc_update_delay_sec
+        self.dir_missing = False  # as of the latest poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -245,6 +318,7 @@ class IncrementalApplier:
 
     def poll(self) -> int:
         """Apply every new complete packet; returns the number of rows written."""
+        self._check_directory()
         written = 0
         for packet in self.pending():
             key = str(packet.relative_to(self.directory))
@@ -263,8 +337,22 @@ class IncrementalApplier:
         self.rows_applied += written
         return written
 
-    def start(self, interval: float = 10.0) -> None:
+    def _check_directory(self) -> None:
+        """Log when ``incremental_dir`` goes missing or comes back: once per change, not per poll."""
+        missing = not self.directory.is_dir()
+        if missing and not self.dir_missing:
+            log.error("incremental_dir %s does not exist (embedding_parameter_server_config.incremental_dir): "
+                      "no incremental packets are applied and the served embeddings stay as they are until it "
+                      "does; check the path and the volume mounted there (the training PS creates it with "
+                      "its first packet)", self.directory)
+        elif self.dir_missing and not missing:
+            log.info("incremental_dir %s exists now: applying its packets", self.directory)
+        self.dir_missing = missing
+
+    def start(self, interval: float = DEFAULT_POLL_S) -> None:
         """Poll in a daemon thread every ``interval`` seconds until :meth:`stop`."""
+        if not interval > 0:  # 0, negative or NaN: Event.wait returns at once and the loop spins
+            raise ValueError(f"incremental poll interval must be a positive number of seconds, got {interval!r}")
         if self._thread is not None:
             return
         self._stop.clear()

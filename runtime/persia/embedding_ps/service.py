@@ -4,7 +4,6 @@ NATS for discovery and control (configure, optimizer, dump, load, stats)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -72,6 +71,10 @@ class EmbeddingParameterServer:
         ic = global_config.common_config.infer_config
         self.applier = None
         infer = global_config.common_config.job_type == "Infer"
+        if infer and pc.incremental_dir and pc.enable_incremental_update:
+            from persia.embedding_ps.incremental import poll_interval_s
+
+            poll_s = poll_interval_s()  # a bad PERSIA_INCREMENTAL_POLL_SECONDS fails before loading or serving
         if infer and ic.embedding_checkpoint:
             # before the port opens: a lookup during the load would read the rows not loaded yet as
             # zeros, and the pod's readiness (its port) would say it serves
@@ -86,7 +89,7 @@ class EmbeddingParameterServer:
                 from persia.embedding_ps.incremental import IncrementalApplier
 
                 self.applier = IncrementalApplier(self.store, pc.incremental_dir, replica_index, replica_size)
-                self.applier.start(float(os.environ.get("PERSIA_INCREMENTAL_POLL_SECONDS", "10")))
+                self.applier.start(poll_s)
         log.info("embedding PS %d/%d on %s (capacity %d rows)", replica_index, replica_size, self.address, pc.capacity)
         self.bus = bus
         if bus is not None:
@@ -206,11 +209,14 @@ class EmbeddingParameterServer:
             out["incremental_packets_applied"] = len(applier.applied)
             out["incremental_packets_rejected"] = len(applier.rejected)
             out["incremental_rows_applied"] = applier.rows_applied
+            out["incremental_dir_missing"] = int(applier.dir_missing)  # 1: serving frozen embeddings
             if applier.last_delay_sec is not None:
                 out["incremental_delay_seconds"] = applier.last_delay_sec
         if dumper is not None:  # training PS: what it shipped
             out["incremental_packets_written"] = dumper.packets_written
             out["incremental_rows_written"] = dumper.rows_written
+            out["incremental_write_failures"] = dumper.write_failures  # their rows are retried
+            out["incremental_rows_dropped"] = dumper.rows_dropped
         return out
 
     # -- data path --------------------------------------------------------------------------------
@@ -274,11 +280,13 @@ class EmbeddingParameterServer:
         return out
 
     def stop(self) -> None:
-        if self.incremental is not None:
-            self.incremental.close()
-        if self.applier is not None:
-            self.applier.stop()
-        self._server.stop(grace=1.0)
+        try:
+            if self.incremental is not None:
+                self.incremental.close()  # raises if its last packet failed: those rows were never shipped
+        finally:
+            if self.applier is not None:
+                self.applier.stop()
+            self._server.stop(grace=1.0)
 
     def wait(self) -> None:
         self._server.wait_for_termination()
