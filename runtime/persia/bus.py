@@ -348,7 +348,9 @@ class NatsBus:
         self.run(self.nc.flush(timeout=timeout), timeout + 1)
 
     def close(self) -> None:
-        if self._loop.is_closed():
+        """Drain and stop; a second call does nothing (its loop is stopped: a coroutine run on it
+        would never be awaited)."""
+        if self._loop.is_closed() or self._outage.closing:
             return
         self._outage.closing = True
         try:

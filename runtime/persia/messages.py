@@ -11,7 +11,7 @@ new field is added here by whoever adds it to a sender (extra fields are refused
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Optional
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationError, model_validator
@@ -167,6 +167,21 @@ class CheckpointDir(_Msg):
     """``ps.dump.<i>`` / ``ps.load.<i>``; the PS checks the path lies under the checkpoint root."""
 
     dir: Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class StartOperation(_Msg):
+    """``ps.start.<i>``: a dump or a stage run on the PS's own thread, polled by its ``id`` with
+    ``ps.status.<i>`` (``StatusQuery``); the PS checks the path as for ``ps.dump``."""
+
+    op: Literal["dump", "stage"]
+    dir: Annotated[str, Field(min_length=1, max_length=4096)]
+    id: Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class StatusQuery(_Msg):
+    """``ps.status.<i>``: the PS's state, and with ``id`` that operation's outcome."""
+
+    id: Optional[Annotated[str, Field(min_length=1, max_length=64)]] = None
 
 
 class Configure(_Msg):
@@ -354,7 +369,7 @@ def validate(schema: type[BaseModel] | None, obj: Any, where: str = "message") -
     otherwise. Size limits are checked too (a lookup of 10^12 samples is refused here)."""
     if schema is None:
         return obj
-    if obj is None and schema is NoPayload:
+    if obj is None and schema in (NoPayload, StatusQuery):  # a status asked without an operation id
         return obj
     if not isinstance(obj, dict):
         raise MessageError(f"{where}: expected a map of fields, got {type(obj).__name__}")

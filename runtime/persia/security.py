@@ -173,7 +173,7 @@ class GrpcTls:
 # -- signed control messages ----------------------------------------------------------------------
 SIGNED_METHODS = frozenset({
     ("ps", "clear"), ("ps", "dump"), ("ps", "load"), ("ps", "configure"), ("ps", "register_optimizer"),
-    ("ps", "stage"), ("ps", "commit"), ("ps", "abort"),
+    ("ps", "stage"), ("ps", "start"), ("ps", "commit"), ("ps", "abort"),
     ("nn", "eos"), ("nn", "batch"), ("nn", "batch_group"),
 })
 """Controls that destroy state, write files, end training or feed it: signed when a job secret is

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from persia.bus import NatsBus, subject
 from persia.embedding_ps.optimizers import optimizer_from_wire
 from persia.embedding_ps.store import EmbeddingStore, HyperParameters
 from persia.metrics import Metrics, register_stats, start_exporter
+from persia.recent_keys import RecentKeys
 from persia.security import check_under_root, checkpoint_root
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ class EmbeddingParameterServer:
         self._optimizer = None
         self._status = {"state": "idle", "error": None}
         self._status_lock = threading.Lock()
+        # a restarted PS is another incarnation: the operations its callers started are gone
+        self.incarnation = uuid.uuid4().hex
+        self._operations = RecentKeys(64)  # ps.start's ids -> their outcome, for ps.status
         self.incremental = None
         if pc.enable_incremental_update and global_config.common_config.job_type != "Infer":  # Infer applies them
             from persia.embedding_ps.incremental import IncrementalDumper
@@ -108,7 +113,8 @@ class EmbeddingParameterServer:
         bus.serve(subject("ps", "stage", i), self.stage, schema=M.CheckpointDir)
         bus.serve(subject("ps", "commit", i), self.commit, schema=none)
         bus.serve(subject("ps", "abort", i), self.abort, schema=none)
-        bus.serve(subject("ps", "status", i), lambda _o: self.status(), blocking=False, schema=none)
+        bus.serve(subject("ps", "start", i), self.start, schema=M.StartOperation)
+        bus.serve(subject("ps", "status", i), self.status, blocking=False, schema=M.StatusQuery)
         bus.serve(subject("ps", "stats", i), lambda _o: self.stats(), schema=none)
         bus.serve(subject("ps", "clear", i), self.clear, schema=none)
         if i == 0:  # replica indices for Deployment-run roles (online training)
@@ -196,9 +202,44 @@ class EmbeddingParameterServer:
         self.store.clear()
         return {"rows": 0}
 
-    def status(self) -> dict:
+    def status(self, req: dict | None = None) -> dict:
+        """The PS's state (idle, dumping, staging, loading, failed), its incarnation, and with an
+        ``id`` that ``start``ed operation's outcome (None: not known to this incarnation)."""
         with self._status_lock:
-            return dict(self._status)
+            out = dict(self._status, incarnation=self.incarnation)
+            if req and req.get("id"):
+                out["operation"] = self._operations.get(req["id"])
+            return out
+
+    def start(self, req: dict) -> dict:
+        """``ps.start.<i>``: a dump or a stage on a thread of its own, answered at once; the caller
+        polls ``ps.status.<i>`` with the operation's id. A reply lost to a NATS restart costs a
+        retry: an id already known is answered again, not run again (a dump of minutes was one
+        request whose lost reply left its caller waiting for an hour)."""
+        op_id = req["id"]
+        with self._status_lock:
+            if self._operations.get(op_id) is not None:
+                return {"incarnation": self.incarnation}
+        directory = self._checkpoint_path(req["dir"])
+        run = self.dump if req["op"] == "dump" else self.stage
+        with self._status_lock:
+            if self._operations.get(op_id) is not None:
+                return {"incarnation": self.incarnation}
+            if self._status["state"] not in ("idle", "failed"):
+                raise RuntimeError(f"PS {self.replica_index} is busy {self._status['state']}")
+            self._operations.add(op_id, {"state": "running"})
+        threading.Thread(target=self._operate, args=(op_id, run, {"dir": str(directory)}),
+                         name=f"persia-ps-{req['op']}", daemon=True).start()
+        return {"incarnation": self.incarnation}
+
+    def _operate(self, op_id: str, run, request: dict) -> None:
+        try:
+            outcome = {"state": "done", "result": run(request)}
+        except Exception as exc:  # noqa: BLE001 - the caller reads it with ps.status
+            log.exception("PS %d: operation %s failed", self.replica_index, op_id)
+            outcome = {"state": "failed", "error": f"{type(exc).__name__}: {exc}"}
+        with self._status_lock:
+            self._operations.add(op_id, outcome)
 
     def stats(self) -> dict:
         out = dict(self.store.stats())

@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import threading
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
@@ -15,8 +17,18 @@ from typing import Any, Callable
 import torch
 
 from persia.bus import subject
+from persia.errors import PersiaError, RemoteError
 
 log = logging.getLogger(__name__)
+
+OPERATION_DEADLINE_S = 3600.0  # a PS dump or stage of a large table
+STATUS_POLL_S = (0.02, 1.0)  # first and longest wait between two ps.status polls
+WAITING_REPORT_S = 30.0
+
+
+class PsRestarted(PersiaError):
+    """A PS replica restarted while it ran a dump or a stage for us: what it wrote, or staged, is
+    gone with the process that did it."""
 
 EMBEDDING_DUMP_DONE = "embedding_dump_done"
 CHECKPOINT_FORMAT = "persia-k8s-checkpoint/1"
@@ -72,7 +84,10 @@ class EmbeddingCheckpoints:
         self._wait_for_updates()
 
         def run():
-            results = self._ps_all("dump", {"dir": str(directory.resolve())})
+            results = self._ps_operation("dump", directory)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
+            if failed is not None:
+                raise failed
             marker = json.dumps({
                 "format": CHECKPOINT_FORMAT,
                 "num_shards": len(results),
@@ -86,6 +101,54 @@ class EmbeddingCheckpoints:
     def load_embedding(self, src_dir: str, blocking: bool = True) -> None:
         """Load every PS replica's rows, all or nothing (see ``_load_all_or_nothing``)."""
         self._load_all_or_nothing(self._local_dir(src_dir), [], blocking)
+
+    def _ps_operation(self, op: str, directory: Path, deadline_s: float = OPERATION_DEADLINE_S) -> list[Any]:
+        """``op`` (dump, stage) on every PS replica, each on the PS's own thread: started with
+        ``ps.start.<i>``, then followed with short ``ps.status.<i>`` polls. A NATS restart costs
+        a retry (one request of up to an hour lost its reply and left the caller waiting that
+        long); a PS that restarted meanwhile is a ``PsRestarted`` within a poll. Each replica's
+        result or exception, in replica order."""
+        op_id = uuid.uuid4().hex
+        payload = {"op": op, "dir": str(directory.resolve()), "id": op_id}
+        started = self._ps_each("start", payload, timeout=60)
+        results: list[Any] = list(started)
+        incarnation = {i: r["incarnation"] for i, r in enumerate(started) if not isinstance(r, BaseException)}
+        pending = set(incarnation)
+        began = time.monotonic()
+        report_at, wait = began + WAITING_REPORT_S, STATUS_POLL_S[0]
+        while pending:
+            for i in sorted(pending):
+                try:
+                    status = self.bus.request_retry(subject("ps", "status", i), {"id": op_id}, deadline_s=60,
+                                                    timeout=5, what=f"PS {i} status of its {op}")
+                except Exception as exc:  # noqa: BLE001 - this replica's outcome
+                    results[i] = exc
+                    pending.discard(i)
+                    continue
+                outcome = status.get("operation")
+                if status["incarnation"] != incarnation[i] or outcome is None:
+                    results[i] = PsRestarted(f"PS replica {i} restarted during the {op} of {directory}: "
+                                             f"its {op} is lost")
+                elif outcome["state"] == "done":
+                    results[i] = outcome["result"]
+                elif outcome["state"] == "failed":
+                    results[i] = RemoteError(f"PS {i} {op}", outcome["error"])
+                else:
+                    continue
+                pending.discard(i)
+            now = time.monotonic()
+            if pending and now - began > deadline_s:
+                for i in pending:
+                    results[i] = TimeoutError(f"PS replica {i}: its {op} of {directory} did not end within "
+                                              f"{deadline_s:.0f}s")
+                break
+            if pending and now >= report_at:
+                log.warning("the %s of %s runs on PS replicas %s for %.0fs", op, directory, sorted(pending), now - began)
+                report_at = now + WAITING_REPORT_S
+            if pending:
+                time.sleep(wait)
+                wait = min(STATUS_POLL_S[1], wait * 2)
+        return results
 
     def _ps_each(self, method: str, payload: Any, timeout: float = 3600.0) -> list[Any]:
         """``method`` on every PS replica; every answer or exception, in replica order (waits for all)."""
@@ -110,7 +173,7 @@ class EmbeddingCheckpoints:
         require_whole(directory)
 
         def run():
-            staged = self._ps_each("stage", {"dir": str(directory.resolve())})
+            staged = self._ps_operation("stage", directory)
             failed = [(i, r) for i, r in enumerate(staged) if isinstance(r, BaseException)]
             if failed:
                 self._ps_each("abort", None, timeout=60)
