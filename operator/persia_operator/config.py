@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+# A leader steps down this fraction of the lease after its last renewal (as client-go:
+# 10 s of 15 s); the remaining third covers the renewal call and clock skew.
+RENEW_DEADLINE_FRACTION = 2 / 3
 
 
 class OperatorConfig(BaseModel):
@@ -36,9 +40,13 @@ class OperatorConfig(BaseModel):
     lease_name: str = "persia-operator"
     lease_namespace: str | None = Field(None, description="Namespace of the Lease (default POD_NAMESPACE).")
     identity: str | None = Field(None, description="This replica's name in the Lease (default HOSTNAME).")
-    lease_duration: float = Field(15.0, gt=0)
-    renew_period: float = Field(5.0, gt=0)
-    retry_period: float = Field(2.0, gt=0)
+    lease_duration: float = Field(
+        15.0, ge=1, description="Seconds a Lease lasts unrenewed (whole seconds on the Lease: at least 1)."
+    )
+    renew_period: float = Field(
+        5.0, gt=0, description="Seconds between renewals; at most 2/3 of lease_duration."
+    )
+    retry_period: float = Field(2.0, gt=0, description="Seconds between a standby's tries to take the Lease.")
 
     @field_validator("namespaces", mode="before")
     @classmethod
@@ -46,6 +54,13 @@ class OperatorConfig(BaseModel):
         if isinstance(value, str):
             return [n.strip() for n in value.split(",") if n.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _lease_timings(self) -> "OperatorConfig":
+        problem = lease_timing_problem(self.lease_duration, self.renew_period)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @property
     def clusterwide(self) -> bool:
@@ -70,3 +85,26 @@ class OperatorConfig(BaseModel):
                 values[key] = env[fallback]
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls.model_validate(values)
+
+
+def lease_timing_problem(lease_duration: float, renew_period: float) -> str | None:
+    """Why these timings would let two replicas be active at once, or None.
+
+    A holder that fails a renewal steps down RENEW_DEADLINE_FRACTION of the lease after
+    its last success; it first retries `renew_period` after that success. A longer
+    period means its first renewal comes after the step-down deadline (and, from
+    `renew_period >= lease_duration` on, after the lease has expired: a standby takes
+    it while the holder still runs). retry_period only paces a standby (how soon it
+    notices a free lease), so it cannot cause two leaders and is not bounded here.
+    Checked even without leader election: the values mean nothing else, and a bad
+    pair should not wait until election is switched on to surface.
+    """
+    limit = lease_duration * RENEW_DEADLINE_FRACTION
+    if renew_period <= limit or abs(renew_period - limit) <= 1e-9 * lease_duration:  # float rounding
+        return None
+    return (
+        f"renew_period (PERSIA_OPERATOR_RENEW_PERIOD) = {renew_period:g} must be at most 2/3 of "
+        f"lease_duration (PERSIA_OPERATOR_LEASE_DURATION) = {lease_duration:g}, i.e. <= {limit:g}: "
+        "a leader that renews later than that can still be running when its lease expires and "
+        "a standby takes over (two active operators)"
+    )

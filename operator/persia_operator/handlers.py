@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import kopf
@@ -26,9 +26,10 @@ import kopf
 from . import constants as C
 from .children import summarize
 from .config import OperatorConfig
+from .events import JobEvent
 from .kube import ApiError, KubeApi
 from .natswatch import NatsWatcher
-from .reconciler import Reconciler
+from .reconciler import Reconciler, event_manifest
 
 # Child kinds the operator watches: (kind, group, version, plural).
 CHILD_RESOURCES = (
@@ -42,6 +43,7 @@ CHILD_RESOURCES = (
 INDEX_IDS = tuple(f"persia_{plural}" for _, _, _, plural in CHILD_RESOURCES)
 
 LoginFn = Callable[..., kopf.ConnectionInfo | None]
+JobKey = tuple[str, str]  # (namespace, name)
 
 
 def default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -82,6 +84,27 @@ def collect_summaries(indexes: dict[str, Any], namespace: str, name: str) -> lis
         if index is not None and (namespace, name) in index:
             summaries += list(index[(namespace, name)])
     return summaries
+
+
+def failed_passes(keys: Sequence[JobKey], results: Sequence[object]) -> dict[JobKey, Exception]:
+    """The jobs whose pass raised, with the error: gather(return_exceptions=True) puts
+    errors in place of results without saying whose they are, and an error no one
+    names means a job silently no longer reconciled."""
+    return {key: result for key, result in zip(keys, results, strict=True) if isinstance(result, Exception)}
+
+
+def failure_event(err: BaseException) -> JobEvent:
+    """The Warning event on a job whose periodic pass fails (`kubectl describe pj`):
+    the error's type and first line only (the traceback is in the operator's log)."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    message = f"Reconcile failed, retried every pass: {type(err).__name__}: {first}"
+    return JobEvent("Warning", "ReconcileFailed", message[:1024])
+
+
+def events_due(reported: Mapping[JobKey, str], failing: Mapping[JobKey, str]) -> list[JobKey]:
+    """Jobs whose failure is news (a first failure, or a different error): one event
+    each, not one per pass every reconcile_interval."""
+    return [key for key, message in failing.items() if reported.get(key) != message]
 
 
 def _make_indexer(kind: str) -> Callable[..., dict[tuple[str, str], dict[str, Any]]]:
@@ -144,10 +167,33 @@ def register(
             async with limit:
                 await reconcile(namespace, name, log, indexes)
 
+        reported: dict[JobKey, str] = {}  # event message last posted per failing job
         while True:
             await asyncio.sleep(config.reconcile_interval)
             keys = list(indexes.get("persia_persiajobs") or {})
-            await asyncio.gather(*(one(ns, name) for ns, name in keys), return_exceptions=True)
+            results = await asyncio.gather(*(one(ns, name) for ns, name in keys), return_exceptions=True)
+            failures = failed_passes(keys, results)
+            for (namespace, name), err in failures.items():
+                # Also counted (by the Reconciler) in persia_operator_reconcile_total{result="error"}.
+                log.error(f"Reconcile of {namespace}/{name} failed, will retry next pass: {err!r}", exc_info=err)
+            failing = {key: failure_event(err).message for key, err in failures.items()}
+            for key in events_due(reported, failing):
+                if not await post_failure_event(key, failure_event(failures[key]), log):
+                    failing.pop(key)  # not posted: try again next pass
+            reported = failing  # a job that passes again (or is gone) is forgotten
+
+    async def post_failure_event(key: JobKey, event: JobEvent, log: logging.Logger) -> bool:
+        """Best effort: the log has the error; the event shows it on the job."""
+        namespace, name = key
+        try:
+            body = await reconciler.api.get(C.KIND, namespace, name)
+            if body is None:
+                return True  # deleted: nothing to report on
+            await reconciler.api.create(event_manifest(body, event, reconciler.clock()))
+        except Exception as err:
+            log.warning(f"Could not post a {event.reason} event on {namespace}/{name}: {err!r}")
+            return False
+        return True
 
     @kopf.on.probe(id="reconcile_passes", registry=registry)
     def passes(**_: Any) -> int:

@@ -6,6 +6,8 @@ keeps (does not prune) every field the operator writes.
 
 from __future__ import annotations
 
+import copy
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -13,6 +15,8 @@ from pydantic.alias_generators import to_camel
 
 from . import constants as C
 from .spec import JobMeta, PersiaJobSpec
+
+log = logging.getLogger(__name__)
 
 
 class _Status(BaseModel):
@@ -106,14 +110,63 @@ class JobStatus(_Status):
         return self.model_dump(by_alias=True, mode="json")
 
 
-def parse_status(raw: Any) -> JobStatus:
-    """Previous status, tolerating garbage (an unreadable status starts afresh)."""
+Loc = tuple[str | int, ...]
+_SALVAGE_ROUNDS = 8  # a drop can reveal no new error, so a few rounds always suffice
+
+
+def _drop(data: dict[str, Any], locs: list[Loc]) -> list[Loc]:
+    """Delete, in place, the part of `data` each error location points into: a top-level
+    field, or one entry of a list/dict field (one bad condition, not all of them) or one
+    field of a nested object. Returns what was deleted."""
+    dropped: list[Loc] = []
+    for path in sorted({loc[:2] for loc in locs if loc}, key=lambda p: [(isinstance(k, int), k) for k in p],
+                       reverse=True):  # fmt: skip  # later list items first: indices stay valid
+        parent: Any = data
+        for key in path[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        leaf = path[-1]
+        if isinstance(parent, dict) and leaf in parent:
+            del parent[leaf]
+        elif isinstance(parent, list) and isinstance(leaf, int) and 0 <= leaf < len(parent):
+            del parent[leaf]
+        else:
+            continue
+        dropped.append(path)
+    return dropped
+
+
+def salvage_status(raw: Any) -> tuple[JobStatus, list[str]]:
+    """The previous status, and a note per part of it that did not validate and was
+    dropped (empty: it parsed as is). Only the unreadable parts fall back to defaults:
+    resetting all of it would zero `attempt` (running children then look stale and are
+    replaced) and `restartCount` (fresh retries against backoffLimit)."""
+    if raw is None:
+        return JobStatus(), []
     if not isinstance(raw, dict):
-        return JobStatus()
-    try:
-        return JobStatus.model_validate(raw)
-    except ValidationError:
-        return JobStatus()
+        return JobStatus(), [f"status is a {type(raw).__name__}, not an object: {raw!r:.200}"]
+    data = copy.deepcopy(raw)
+    notes: list[str] = []
+    for _ in range(_SALVAGE_ROUNDS):
+        try:
+            return JobStatus.model_validate(data), notes
+        except ValidationError as err:
+            errors = err.errors(include_url=False)
+            dropped = _drop(data, [tuple(e["loc"]) for e in errors])
+            notes += [f"{'.'.join(map(str, e['loc'])) or 'status'}: {e['msg']} (got {e.get('input')!r:.200})"
+                      for e in errors]  # fmt: skip
+            if not dropped:
+                break
+    return JobStatus(), [*notes, "nothing of it could be kept"]
+
+
+def parse_status(raw: Any, job: str | None = None) -> JobStatus:
+    """Previous status, tolerating garbage (an older operator's, a hand edit): what
+    does not validate is dropped, logged, and rewritten by the pass."""
+    status, notes = salvage_status(raw)
+    if notes:
+        who = job or "a PersiaJob"
+        log.warning(f"Status of {who} does not validate; dropped the unreadable parts: {'; '.join(notes)}")
+    return status
 
 
 class PersiaJob(BaseModel):

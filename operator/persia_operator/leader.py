@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+from .config import RENEW_DEADLINE_FRACTION
 from .kube import ApiError, KubeApi
 
 log = logging.getLogger(__name__)
@@ -76,7 +78,7 @@ class LeaderElector:
             "metadata": meta,
             "spec": {
                 "holderIdentity": self.identity,
-                "leaseDurationSeconds": int(self.lease_duration),
+                "leaseDurationSeconds": math.ceil(self.lease_duration),  # never shorter than ours
                 "acquireTime": acquire or now.strftime(MICROTIME),
                 "renewTime": now.strftime(MICROTIME),
                 "leaseTransitions": transitions,
@@ -122,7 +124,7 @@ class LeaderElector:
     def renew_deadline(self) -> float:
         """Step down this long after the last renewal (as client-go: 10 s of a 15 s
         lease), so the old leader has stopped before anyone may see the lease expired."""
-        return self.lease_duration * 2 / 3
+        return self.lease_duration * RENEW_DEADLINE_FRACTION
 
     async def hold(self) -> None:
         """Renew until renewing fails for `renew_deadline`; then return (lost)."""
@@ -151,25 +153,54 @@ class LeaderElector:
                                            {"spec": {"holderIdentity": None, "renewTime": None}})  # fmt: skip
 
 
+async def _logging_errors(what: str, coro_fn: Callable[[], Any]) -> None:
+    """Run `coro_fn()`; log an error it ends with when it happens (a standby's liveness
+    server may fail long before the standby is cancelled, and nothing awaits it)."""
+    try:
+        await coro_fn()
+    except Exception as err:
+        log.error(f"{what} failed: {err!r}", exc_info=err)
+
+
+def task_error(task: asyncio.Task[Any]) -> BaseException | None:
+    """The exception a finished task ended with (None: still running, returned, or cancelled)."""
+    if not task.done() or task.cancelled():
+        return None
+    return task.exception()
+
+
+def exit_status(lost_lease: bool, work_error: BaseException | None, hold_error: BaseException | None) -> int:
+    """1 (restart the process) when the lease was lost or the operator or the renewal
+    loop crashed; 0 only when the operator returned by itself (a clean shutdown)."""
+    return 1 if lost_lease or work_error is not None or hold_error is not None else 0
+
+
 async def run_as_leader(elector: LeaderElector, operator: Callable[[], Any], standby: Callable[[], Any] | None = None) -> int:
     """Standby until leader, then run `operator()` (a coroutine function) while holding
-    the lease. Returns 1 when the lease was lost (the process should exit and restart)."""
-    standby_task = asyncio.get_running_loop().create_task(standby()) if standby else None
+    the lease. Returns 1 when the lease was lost or the operator crashed (the process
+    should exit non-zero and be restarted), 0 when the operator stopped cleanly."""
+    loop = asyncio.get_running_loop()
+    standby_task = loop.create_task(_logging_errors("standby liveness server", standby)) if standby else None
     try:
         await elector.acquire()
     finally:
         if standby_task is not None:
             standby_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+            with contextlib.suppress(asyncio.CancelledError):  # its own errors are logged
                 await standby_task
-    work = asyncio.get_running_loop().create_task(operator())
-    holding = asyncio.get_running_loop().create_task(elector.hold())
+    work = loop.create_task(operator())
+    holding = loop.create_task(elector.hold())
+    tasks = {work: "the operator", holding: "leader election (renewing the lease)"}
     try:
-        done, _ = await asyncio.wait({work, holding}, return_when=asyncio.FIRST_COMPLETED)
-        return 1 if holding in done else 0
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        return exit_status(holding in done, task_error(work), task_error(holding))
     finally:
-        for task in (work, holding):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
+        for task, what in tasks.items():
+            task.cancel()  # no-op when done
+            try:
                 await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as err:  # how it ended (see the return above), or raised while stopping
+                log.error(f"{what} stopped with an error: {err!r}", exc_info=err)
         await elector.release()

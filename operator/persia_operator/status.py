@@ -38,11 +38,9 @@ class ObservedJob(BaseModel):
     def from_body(cls, body: dict[str, Any]) -> "ObservedJob":
         from .job import parse_status
 
-        return cls(
-            metadata=JobMeta.model_validate(body.get("metadata") or {}),
-            spec=body.get("spec"),
-            status=parse_status(body.get("status")),
-        )
+        meta = JobMeta.model_validate(body.get("metadata") or {})
+        return cls(metadata=meta, spec=body.get("spec"),
+                   status=parse_status(body.get("status"), job=f"{meta.namespace}/{meta.name}"))
 
 
 @dataclass(frozen=True)

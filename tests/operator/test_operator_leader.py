@@ -8,6 +8,7 @@ server answers the loser 409, which `try_acquire` treats as "not the leader").""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -16,7 +17,7 @@ import pytest
 from operator_testkit import wait_for
 
 from persia_operator.kube import KubeApi
-from persia_operator.leader import MICROTIME, LeaderElector, decide, run_as_leader
+from persia_operator.leader import MICROTIME, LeaderElector, decide, exit_status, run_as_leader
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -105,3 +106,90 @@ async def test_one_active_replica_and_failover(cluster):
     for replica in (a, b, c):
         await asyncio.gather(replica.task, return_exceptions=True)
         await replica.api.close()
+
+
+class FakeElector:
+    """An elector that becomes the leader at once and holds until told otherwise."""
+
+    def __init__(self, hold=None):
+        self.released = False
+        self._hold = hold
+
+    async def acquire(self):
+        await asyncio.sleep(0.05)  # long enough for a standby task to run
+
+    async def hold(self):
+        if self._hold is not None:
+            return await self._hold()
+        await asyncio.Event().wait()
+
+    async def release(self):
+        self.released = True
+
+
+def errors(caplog, text):
+    return [r for r in caplog.records if r.levelno >= logging.ERROR and text in r.getMessage()]
+
+
+@pytest.mark.parametrize("lost, work, hold, expected", [
+    (False, None, None, 0),  # the operator returned by itself: a clean shutdown
+    (True, None, None, 1),  # lost the lease
+    (False, RuntimeError(), None, 1),  # the operator crashed
+    (False, None, ValueError(), 1),  # the renewal loop crashed
+])  # fmt: skip
+def test_exit_status(lost, work, hold, expected):
+    assert exit_status(lost, work, hold) == expected
+
+
+async def test_a_crashed_operator_exits_non_zero_and_is_logged(caplog):
+    async def operate():
+        raise RuntimeError("kopf died")
+
+    elector = FakeElector()
+    assert await run_as_leader(elector, operate) == 1
+    assert elector.released
+    logged = errors(caplog, "kopf died")
+    assert logged and logged[0].exc_info[0] is RuntimeError
+
+
+async def test_a_clean_operator_stop_exits_zero():
+    async def operate():
+        return None
+
+    elector = FakeElector()
+    assert await run_as_leader(elector, operate) == 0
+    assert elector.released
+
+
+async def test_a_crashed_renewal_loop_exits_non_zero_and_is_logged(caplog):
+    async def operate():
+        await asyncio.Event().wait()
+
+    async def hold():
+        raise ValueError("bad lease")
+
+    elector = FakeElector(hold=hold)
+    assert await run_as_leader(elector, operate) == 1
+    assert elector.released
+    logged = errors(caplog, "bad lease")
+    assert logged and logged[0].exc_info[0] is ValueError
+
+
+async def test_a_failed_standby_liveness_server_is_logged_when_it_fails(caplog):
+    async def standby():
+        raise OSError("address already in use")
+
+    async def operate():
+        return None
+
+    assert await run_as_leader(FakeElector(), operate, standby=standby) == 0
+    logged = errors(caplog, "address already in use")
+    assert logged and "standby liveness server" in logged[0].getMessage() and logged[0].exc_info
+
+
+def test_the_lease_is_never_shorter_than_the_holders_deadline_assumes():
+    # leaseDurationSeconds is whole seconds: rounding 1.5 down would let a standby take
+    # the lease 0.5 s before the holder steps down.
+    elector = LeaderElector(None, "ns", "lease", "me", lease_duration=1.5)
+    assert elector._lease(NOW, 0, None, None)["spec"]["leaseDurationSeconds"] == 2
+    assert LeaderElector(None, "ns", "lease", "me")._lease(NOW, 0, None, None)["spec"]["leaseDurationSeconds"] == 15

@@ -1,0 +1,73 @@
+"""The periodic reconcile loop (handlers.py): a job whose pass raises something other
+than an API error is named in the log with its traceback and in a Warning event, and the
+other jobs go on being reconciled.
+
+What KMock cannot check (see operator_testkit.py): nothing here depends on it beyond
+storing the jobs, their status and the events."""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from operator_testkit import job_body, wait_for
+
+from persia_operator import constants as C
+from persia_operator.events import JobEvent
+from persia_operator.handlers import events_due, failed_passes, failure_event
+
+NS = "ns1"
+
+
+def test_failed_passes_names_the_job_of_each_error():
+    boom, bad = KeyError("x"), ValueError("y")
+    keys = [("a", "one"), ("a", "two"), ("b", "three")]
+    assert failed_passes(keys, [None, boom, bad]) == {("a", "two"): boom, ("b", "three"): bad}
+    assert failed_passes([], []) == {}
+
+
+def test_failure_event_is_a_short_warning():
+    event = failure_event(KeyError("replicaStatuses"))
+    assert event == JobEvent("Warning", "ReconcileFailed",
+                             "Reconcile failed, retried every pass: KeyError: 'replicaStatuses'")  # fmt: skip
+    long = failure_event(ValueError("first line\nsecond line" + "x" * 5000))
+    assert "second line" not in long.message and len(long.message) <= 1024
+
+
+def test_events_due_only_for_new_or_changed_failures():
+    a, b, c = ("ns", "a"), ("ns", "b"), ("ns", "c")
+    assert events_due({a: "E1", b: "E2"}, {a: "E1", b: "E3", c: "E4"}) == [b, c]
+    assert events_due({a: "E1"}, {}) == []
+
+
+async def test_a_failing_job_is_logged_and_reported_and_the_others_go_on(cluster, operator, caplog):
+    caplog.set_level(logging.INFO, logger="persia_operator")
+    for name in ("good", "bad"):
+        await cluster.create(job_body(name))
+    for name in ("good", "bad"):
+        await wait_for(lambda name=name: cluster.condition(NS, name, C.COND_CREATED), what=f"{name} created")
+    real_pass = operator._pass
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def pass_with_a_bug(body, summaries, logger):
+        name = body["metadata"]["name"]
+        calls[name] += 1
+        if name == "bad":
+            raise KeyError("unexpected child")  # a bug, not an API error
+        return await real_pass(body, summaries, logger)
+
+    operator._pass = pass_with_a_bug  # the operator runs in its own thread; the next passes use it
+    await wait_for(lambda: calls["bad"] >= 3 and calls["good"] >= 3, what="several periodic passes of both jobs")
+
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR and "ns1/bad" in r.getMessage()]
+    assert errors, "the failing job is not named in the log"
+    assert errors[0].exc_info and errors[0].exc_info[0] is KeyError  # with its traceback
+    assert "unexpected child" in errors[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR and "ns1/good" in r.getMessage()]
+    # One event for the same failure, however many passes it fails.
+    bad_uid = cluster.job(NS, "bad")["metadata"]["uid"]
+    events = [e for e in cluster.events(NS) if e.get("reason") == "ReconcileFailed"]
+    assert len(events) == 1, events
+    assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
+    assert events[0]["involvedObject"]["uid"] == bad_uid
+    assert "KeyError" in events[0]["message"]
