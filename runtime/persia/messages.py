@@ -211,6 +211,7 @@ class RendezvousClaim(_Msg):
 class RendezvousRenew(_Msg):
     role: Name
     member: Name
+    index: Optional[Annotated[int, Field(ge=0, lt=1 << 16)]] = None  # taken back if the table forgot it
 
 
 # -- gRPC -------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -54,12 +55,18 @@ class Assignments:
                 return index
         return None
 
-    def renew(self, member: str, now: float) -> bool:
+    def renew(self, member: str, now: float, index: int | None = None) -> bool:
+        """Extend the member's lease. One the table no longer has (its keeper, PS replica 0,
+        restarted; an outage longer than the TTL) is taken back at ``index`` while that index is
+        free; False when another member holds it: two members would share an index."""
         self.expire(now)
         if member not in self.leases:
-            return False
-        index, _ = self.leases[member]
-        self.leases[member] = (index, now + self.ttl_s)
+            if index is None or index in {i for i, _ in self.leases.values()}:
+                return False
+            self.leases[member] = (index, now + self.ttl_s)
+            return True
+        held, _ = self.leases[member]
+        self.leases[member] = (held, now + self.ttl_s)
         return True
 
 
@@ -81,16 +88,30 @@ class RendezvousServer:
         return BUSY if index is None else {"index": index, "ttl_s": self.ttl_s}
 
     def _renew(self, req: dict):
+        index = req.get("index")
         with self._lock:
-            return {"held": self._table(str(req["role"])).renew(str(req["member"]), self._clock())}
+            held = self._table(str(req["role"])).renew(str(req["member"]), self._clock(),
+                                                       None if index is None else int(index))
+        return {"held": held}
 
 
 def member_name() -> str:
     return os.environ.get("HOSTNAME") or socket.gethostname()
 
 
-def claim_index(bus: NatsBus, role: str, size: int, deadline_s: float = 600.0) -> tuple[int, threading.Event]:
-    """Claim an index and keep it renewed in a daemon thread until the returned event is set."""
+def _lost(role: str, index: int) -> None:
+    """Another member holds this process's index: it stops (SIGTERM, its graceful path), so that
+    its pod restarts and claims an index again, instead of running on as a second ``index``."""
+    log.error("rendezvous: %s index %d is held by another member (this one could not renew in time); "
+              "stopping this process so that it restarts and claims an index again", role, index)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def claim_index(bus: NatsBus, role: str, size: int, deadline_s: float = 600.0,
+                on_lost: Callable[[str, int], None] = _lost) -> tuple[int, threading.Event]:
+    """Claim an index and keep it renewed in a daemon thread until the returned event is set. A
+    lease the table forgot is taken back at the same index; one another member took ends this
+    process (``on_lost``)."""
     member = member_name()
     reply = bus.request_retry(subject("rdzv", "claim"), {"role": role, "member": member, "size": size},
                               deadline_s=deadline_s, timeout=2.0, max_backoff=2.0,
@@ -101,11 +122,14 @@ def claim_index(bus: NatsBus, role: str, size: int, deadline_s: float = 600.0) -
     def renew() -> None:
         while not stop.wait(ttl / 3):
             try:
-                held = bus.request(subject("rdzv", "renew"), {"role": role, "member": member}, timeout=2.0)["held"]
-                if not held:
-                    log.error("rendezvous lease of %s index %d was lost", role, index)
+                held = bus.request(subject("rdzv", "renew"), {"role": role, "member": member, "index": index},
+                                   timeout=2.0)["held"]
             except Exception as exc:  # noqa: BLE001 - retried on the next tick
                 log.warning("rendezvous renew failed: %s", exc)
+                continue
+            if not held:
+                on_lost(role, index)
+                return
 
     threading.Thread(target=renew, name="persia-rdzv", daemon=True).start()
     log.info("rendezvous: %s %s holds index %d of %d", role, member, index, size)

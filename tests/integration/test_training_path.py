@@ -359,6 +359,50 @@ def test_rendezvous_over_nats_hands_out_distinct_indices(persia_env, monkeypatch
             claim_index(bus, "nn", 2, deadline_s=1.0)
 
 
+def test_a_rendezvous_table_that_restarted_gives_each_member_its_index_back(persia_env, monkeypatch):
+    """The index table lives in PS replica 0; restarted, it forgot every lease, each renewal was
+    refused and logged while the member ran on, and a pod started next could claim an index in
+    use. Now the renewal takes the index back; a member whose index another took stops itself."""
+    from persia.bus import NatsBus
+    from persia.rendezvous import Assignments, RendezvousServer, claim_index
+
+    keeper_bus, client_bus = NatsBus(name="rdzv-keeper"), NatsBus(name="rdzv-client")
+    RendezvousServer(keeper_bus, ttl_s=0.3)
+    lost: list = []
+    monkeypatch.setenv("HOSTNAME", "nn-abc")
+    index, stop = claim_index(client_bus, "nn", 2, on_lost=lambda role, i: lost.append((role, i)))
+    try:
+        assert index == 0
+        keeper_bus.close()  # PS replica 0 restarts: a new table, empty
+        keeper_bus = NatsBus(name="rdzv-keeper-2")
+        table = RendezvousServer(keeper_bus, ttl_s=0.3)
+        poll_until(lambda: table._table("nn").leases.get("nn-abc", (None,))[0] == 0,
+                   "the member's renewal takes index 0 back", deadline_s=5)
+        # a newcomer gets the other index, not the one in use
+        monkeypatch.setenv("HOSTNAME", "nn-def")
+        other, other_stop = claim_index(client_bus, "nn", 2, on_lost=lambda role, i: lost.append((role, i)))
+        other_stop.set()
+        assert other == 1 and not lost
+
+        class TakenOver(RendezvousServer):
+            """A table in which another member claimed index 0 before any renewal came."""
+
+            def _table(self, role):
+                if role not in self._tables:
+                    self._tables[role] = Assignments(self.ttl_s)
+                    self._tables[role].claim("nn-ghi", 2, self._clock())
+                return self._tables[role]
+
+        keeper_bus.close()  # again, and this time another member holds index 0 first
+        keeper_bus = NatsBus(name="rdzv-keeper-3")
+        TakenOver(keeper_bus, ttl_s=0.3)
+        poll_until(lambda: lost == [("nn", 0)], "the member whose index was taken stops", deadline_s=5)
+    finally:
+        stop.set()
+        client_bus.close()
+        keeper_bus.close()
+
+
 def test_retried_sends_are_not_duplicated(persia_env):
     """A send retried after a lost reply must not buffer or train a batch twice."""
     from persia.bus import shared_bus, subject

@@ -25,3 +25,20 @@ def test_scale_down_drops_indices_past_the_new_size():
     a.claim("pod-b", 3, now=0)
     a.claim("pod-c", 3, now=0)
     assert a.claim("pod-c", 2, now=1) is None  # index 2 no longer exists and 0, 1 are held
+
+
+def test_a_lease_the_table_forgot_is_taken_back_at_its_index():
+    """The table lives in PS replica 0: restarted, it forgets every lease; renewing with the index
+    held takes it back, where the renewal used to be refused and the member ran on regardless."""
+    a = Assignments(ttl_s=10)
+    assert a.renew("pod-b", now=0, index=1)
+    assert a.claim("pod-c", 2, now=1) == 0  # index 1 is pod-b's again: a newcomer does not get it
+    assert not a.renew("pod-a", now=2)  # no index: nothing to take back
+
+
+def test_a_lease_another_member_took_is_not_taken_back():
+    a = Assignments(ttl_s=10)
+    a.claim("pod-a", 2, now=0)
+    assert a.claim("pod-c", 2, now=11) == 0  # pod-a's lease ran out, pod-c took index 0
+    assert not a.renew("pod-a", now=12, index=0)
+    assert a.leases["pod-c"][0] == 0 and "pod-a" not in a.leases
