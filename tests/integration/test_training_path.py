@@ -89,6 +89,12 @@ def eval_embeddings(model, batches):
     return out
 
 
+def adagrad_ctx(model) -> TrainCtx:
+    """The TrainCtx most tests here train and checkpoint with: Adagrad embeddings, SGD dense."""
+    return TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                    dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def train(model, n_batches, staleness, optimizer=None, seed0=0):
     errors: list = []
     sender = send_in_thread([make_batch(seed0 + i) for i in range(n_batches)], errors)
@@ -148,8 +154,7 @@ def test_checkpoint_round_trip_gives_identical_lookups(persia_env, tmp_path, num
     model = Model()
     with cluster(num_ps=2):
         train(model, 8, staleness=1)
-        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        with adagrad_ctx(model) as ctx:
             expected = eval_embeddings(model, probe)
             ctx.dump_checkpoint(str(tmp_path / "ckpt"))
             ctx.clear_embeddings()
@@ -192,8 +197,7 @@ def test_a_dump_that_fails_midway_leaves_no_directory_that_reads_as_a_checkpoint
     model = Model()
     with cluster():
         train(model, 4, staleness=1)
-        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        with adagrad_ctx(model) as ctx:
             ctx.dump_checkpoint(str(tmp_path / "ckpt"))
             ctx.load_checkpoint(str(tmp_path / "ckpt"))  # whole
             with pytest.raises(Exception) as failed:  # noqa: PT011 - whatever TorchScript raises
@@ -216,13 +220,11 @@ def test_a_dump_without_blocking_that_fails_is_raised_not_lost(persia_env, tmp_p
     with cluster():
         train(model, 2, staleness=1)
         with pytest.raises(Exception, match="s0") as at_exit:
-            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            with adagrad_ctx(model) as ctx:
                 ctx.dump_checkpoint(str(blocked), blocking=False)
         assert not (blocked / "embedding_dump_done").exists()
 
-        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        with adagrad_ctx(model) as ctx:
             ctx.dump_embedding(str(blocked), blocking=False)
             with pytest.raises(type(at_exit.value), match="s0"):  # the first one's error, before the next starts
                 ctx.dump_embedding(str(tmp_path / "next"), blocking=False)
@@ -240,8 +242,7 @@ def test_a_checkpoint_without_its_dense_file_is_refused_and_without_its_optimize
     model = Model()
     with cluster():
         train(model, 4, staleness=1)
-        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+        with adagrad_ctx(model) as ctx:
             ctx.dump_checkpoint(str(tmp_path / "ckpt"))
             rows = ctx.get_embedding_size()
             ctx.clear_embeddings()
@@ -287,8 +288,7 @@ def test_synchronous_reference_mode_is_deterministic(persia_env):
         model = Model()
         with cluster(num_ps=2, num_workers=1):
             train(model, 10, staleness=1)
-            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+            with adagrad_ctx(model):
                 emb = eval_embeddings(model, [make_batch(77, requires_grad=False)])
         return [p.detach().clone() for p in model.parameters()], emb
 
@@ -325,8 +325,7 @@ def test_tensors_built_in_the_lookup_thread_train_exactly_like_tensors_built_at_
                 m.setattr(EmbeddingCtx, "_prebuild", lambda self, batch: None)
             with cluster(num_ps=1, num_workers=1):
                 train(model, 8, staleness=1)
-                with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
-                              dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)):
+                with adagrad_ctx(model):
                     emb = eval_embeddings(model, [make_batch(77, requires_grad=False)])
         return [p.detach().clone() for p in model.parameters()], emb, list(seen)
 
