@@ -128,12 +128,20 @@ def secret_volumes(spec: PersiaJobSpec) -> tuple[list[dict[str, Any]], list[dict
     return volumes, mounts
 
 
+def run_id(job: PersiaJob) -> str:
+    """What ties every attempt of this PersiaJob together, and not a later job of the same name:
+    its uid. A restart resumes from the checkpoints its run wrote, whatever ``checkpoint.resume``
+    says (``never`` and a path say where the job starts)."""
+    meta = job.metadata
+    return meta.uid or f"{meta.namespace}/{meta.name}@{meta.creation_timestamp or ''}"
+
+
 def checkpoint_env(job: PersiaJob) -> list[dict[str, Any]]:
     ckpt = job.spec.checkpoint
     if ckpt is None:
         return []
     env = [_env("PERSIA_CHECKPOINT_DIR", ckpt.directory(job.name)), _env("PERSIA_CHECKPOINT_KEEP", ckpt.keep),
-           _env("PERSIA_RESUME", ckpt.resume)]  # fmt: skip
+           _env("PERSIA_RESUME", ckpt.resume), _env("PERSIA_RUN_ID", run_id(job))]  # fmt: skip
     if ckpt.interval_steps is not None:
         env.append(_env("PERSIA_CHECKPOINT_INTERVAL_STEPS", ckpt.interval_steps))
     if ckpt.interval_seconds is not None:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,6 +164,9 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
     common = dict(base_env or {})
     for inherited in _RANK_ENV:  # the launcher's own shell's ranks: each role gets its own below
         common.pop(inherited, None)
+    # one run across the job's restarts: each resumes from this run's newest checkpoint, whatever
+    # PERSIA_RESUME says (checkpoint_plan.resume_choice); kept when the caller sets one
+    common.setdefault("PERSIA_RUN_ID", uuid.uuid4().hex)
     common.update(
         PERSIA_JOB_NAME=args.job_name,
         PERSIA_ADVERTISE_HOST="127.0.0.1",

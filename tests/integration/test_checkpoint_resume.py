@@ -107,6 +107,27 @@ def test_resume_never_starts_from_zero(persia_env, tmp_path):
     assert ctx.resumed_from is None and ctx.start_step == 0 and ctx.step == 4
 
 
+def test_a_restart_of_a_run_resumes_from_its_own_checkpoints_whatever_resume_says(persia_env, tmp_path,
+                                                                                   monkeypatch):
+    """``resume: never`` (or a path) reaches every restart of the job too: a restarted job started
+    over from scratch, or from the warm-start path, losing everything since. Checkpoints record
+    their run (``PERSIA_RUN_ID``); a restart of that run resumes from its newest one."""
+    with cluster():
+        run_job(Model(), 4, tmp_path, checkpoint_interval_steps=2)  # an earlier job's checkpoints
+    monkeypatch.setenv("PERSIA_RUN_ID", "run-2")
+    with cluster():
+        first = run_job(Model(), 5, tmp_path, resume="never", checkpoint_interval_steps=3)
+    assert first.resumed_from is None and first.start_step == 0  # the job itself starts fresh
+    with cluster():  # its restart: the same run, the same settings
+        again = run_job(Model(), 5, tmp_path, resume="never", checkpoint_interval_steps=100)
+    assert again.resumed_from == str(tmp_path / "ckpts" / "ckpt-000000000003")
+    assert (again.start_step, again.step) == (3, 5)
+    monkeypatch.setenv("PERSIA_RUN_ID", "run-3")  # a new run with resume: never starts fresh again
+    with cluster():
+        fresh = run_job(Model(), 2, tmp_path, resume="never", checkpoint_interval_steps=100)
+    assert fresh.resumed_from is None and fresh.start_step == 0
+
+
 def test_a_refused_shard_changes_nothing_on_any_replica_nor_the_dense_model(persia_env, tmp_path):
     with cluster(num_ps=2):
         model = Model()

@@ -217,6 +217,22 @@ def test_checkpoint_env_and_volume_on_the_roles_that_write_them():
     assert "PERSIA_CHECKPOINT_DIR" not in env_of(children[("Job", "demo-dataloader")])
 
 
+def test_every_attempt_of_a_job_carries_its_run_id_and_a_new_job_of_the_name_another():
+    """The runtime resumes a restart from the checkpoints of its run whatever ``resume`` says;
+    the run is the PersiaJob's uid, the same in every attempt, another for a recreated job."""
+    def run_ids(uid, attempt, resume):
+        body = job_body(checkpoint={**CKPT, "resume": resume})
+        body["metadata"]["uid"] = uid
+        meta, spec = validate_job(body)
+        job = PersiaJob(metadata=meta, spec=spec)
+        job.status.attempt = attempt
+        return {env_of(m)["PERSIA_RUN_ID"] for m in render(job) if m["kind"] in ("StatefulSet", "Job")
+                and "PERSIA_RUN_ID" in env_of(m)}
+
+    assert run_ids("uid-1", 0, "never") == run_ids("uid-1", 3, "never") == {"uid-1"}
+    assert run_ids("uid-2", 0, "never") == {"uid-2"}
+
+
 @pytest.mark.parametrize("ckpt, error", [
     ({"intervalSteps": 5}, "exactly one of persistentVolumeClaim and volume"),
     ({"persistentVolumeClaim": "a", "volume": "b"}, "exactly one of persistentVolumeClaim and volume"),

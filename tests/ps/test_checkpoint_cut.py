@@ -117,7 +117,7 @@ def restart(directory: Path) -> Job:
     choice = plan.resume_choice("auto", scan(directory))
     if choice is None:
         return job
-    path = directory / choice
+    path = directory / choice[1]
     for i, store in enumerate(job.stores):
         store.stage(path, i, REPLICAS, 2)
     for store in job.stores:

@@ -62,10 +62,20 @@ def test_retention_and_resume_choice():
     complete = [(1, "a"), (5, "c"), (3, "b")]
     assert plan.to_delete(complete, 2) == ["a"]
     assert plan.to_delete(complete, 3) == []
-    assert plan.resume_choice("auto", complete) == "c"
+    assert plan.resume_choice("auto", complete) == ("dir", "c")
     assert plan.resume_choice("auto", []) is None
     assert plan.resume_choice("never", complete) is None
-    assert plan.resume_choice("/some/ckpt", []) == "/some/ckpt"
+    assert plan.resume_choice("/some/ckpt", []) == ("path", "/some/ckpt")
+
+
+def test_a_restart_resumes_from_its_own_run_whatever_resume_says():
+    """``never`` and a path say where a job starts; its restarts continue from the newest
+    checkpoint the run wrote (they started over: everything since was lost)."""
+    complete = [(1, "a"), (5, "c"), (3, "b")]
+    for resume in ("never", "/warm/start", "auto"):
+        assert plan.resume_choice(resume, complete, own={"a", "b"}) == ("dir", "b")
+    assert plan.resume_choice("never", complete, own=()) is None  # this run wrote none yet
+    assert plan.resume_choice("/warm/start", complete, own=set()) == ("path", "/warm/start")
 
 
 def test_due_by_steps_or_seconds():

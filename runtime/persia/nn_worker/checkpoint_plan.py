@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Iterable, Mapping, Optional
+from typing import Collection, Iterable, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict
 
@@ -119,14 +119,28 @@ def to_delete(complete: list[tuple[int, str]], keep: int) -> list[str]:
     return [name for _, name in sorted(complete)[:-keep]]
 
 
-def resume_choice(resume: str, complete: list[tuple[int, str]]) -> str | None:
-    """What to resume from: ``"never"`` -> None; ``"auto"`` -> the newest complete checkpoint's
-    name (None when there is none); anything else is a path, returned as it is."""
+ENV_RUN_ID = "PERSIA_RUN_ID"
+"""One run of a job across its restarts (the operator: the PersiaJob's uid; local mode: one per
+``persia-launcher local``), recorded in each checkpoint's progress as ``run_id``."""
+
+
+def resume_choice(resume: str, complete: list[tuple[int, str]], own: Collection[str] = ()) -> tuple[str, str] | None:
+    """What to resume from, as ``("dir", name)`` (a checkpoint in the checkpoint directory) or
+    ``("path", path)``, or None (start fresh).
+
+    ``own``: the complete checkpoints this run wrote. A restart resumes from the newest of them
+    whatever ``resume`` says: ``never`` and a path say where the job starts, not where each of its
+    restarts starts over (the restarted job lost everything since). Otherwise ``"never"`` -> None;
+    ``"auto"`` -> the newest complete checkpoint (None when there is none); anything else is a
+    path."""
+    mine = [c for c in complete if c[1] in own]
+    if mine:
+        return ("dir", max(mine)[1])
     if resume == "never":
         return None
     if resume == "auto":
-        return max(complete)[1] if complete else None
-    return resume
+        return ("dir", max(complete)[1]) if complete else None
+    return ("path", resume)
 
 
 def is_due(settings: CheckpointSettings, step: int, last_step: int, seconds_since: float) -> bool:

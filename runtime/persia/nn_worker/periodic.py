@@ -89,6 +89,22 @@ def publish(tmp: Path, final: Path, marker: dict) -> None:
         os.close(fd)
 
 
+def own_checkpoints(directory: Path | None, complete: list[tuple[int, str]]) -> set[str]:
+    """The complete checkpoints this run wrote: their progress names this process's
+    ``PERSIA_RUN_ID`` (none without one)."""
+    run_id = os.environ.get(plan.ENV_RUN_ID)
+    if not run_id or directory is None:
+        return set()
+    own = set()
+    for _, name in complete:
+        try:
+            if read_progress(directory / name).get("run_id") == run_id:
+                own.add(name)
+        except (OSError, ValueError):  # unreadable: not this run's to resume from
+            continue
+    return own
+
+
 def write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], None], keep: int) -> dict:
     """Write one checkpoint: ``progress.json`` and ``write_parts(tmp)`` into ``.tmp-ckpt-<step>``,
     then publish it (``COMPLETE``, rename) and apply retention. A writer killed anywhere before the
@@ -151,10 +167,12 @@ class PeriodicCheckpointing:
             directory.mkdir(parents=True, exist_ok=True)
             for stale in directory.glob(plan.TMP_PREFIX + "*"):  # left by a killed writer
                 shutil.rmtree(stale, ignore_errors=True)
-        choice = plan.resume_choice(s.resume, scan(directory) if directory is not None else [])
+        complete = scan(directory) if directory is not None else []
+        choice = plan.resume_choice(s.resume, complete, own_checkpoints(directory, complete))
         if choice is None:
             return
-        path = directory / choice if s.resume == "auto" else Path(choice)
+        where, name = choice
+        path = directory / name if where == "dir" else Path(name)
         progress = read_progress(path)
         t0 = time.monotonic()
         if self.rank == 0:
@@ -292,6 +310,8 @@ class PeriodicCheckpointing:
 
     def _write_cut(self, directory: Path, per_rank: list[dict[int, int]]) -> dict:
         progress = {"step": self.step, "world_size": self.world_size, "loaders": plan.merge_positions(per_rank)}
+        if os.environ.get(plan.ENV_RUN_ID):  # a restart of this run resumes here, whatever resume says
+            progress["run_id"] = os.environ[plan.ENV_RUN_ID]
         loaders = self._loader_size()
         if loaders is not None:  # a resume with another number is refused (data_loader.resume)
             progress["loader_size"] = loaders
