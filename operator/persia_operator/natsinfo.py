@@ -2,7 +2,7 @@
 
 The operator connects to each running job's NATS (with the job's credentials) to know
 that it is reachable (`NatsReady` of an external NATS) and to ask NN rank 0 for the
-last checkpoint (`persia.<job>.checkpoint.latest`, CONTRACTS.md). Replies are JSON,
+last checkpoint (`persia.<job>.checkpoint.latest`, docs/architecture.md, "Checkpoints"). Replies are JSON,
 checked against a schema, never unpickled. Credentials never leave this process:
 `redact` strips them from anything that is logged or written to the status.
 """
@@ -37,7 +37,7 @@ def published_subject(job: str) -> str:
 
 
 class CheckpointReport(BaseModel):
-    """The reply of NN rank 0 (CONTRACTS.md): {step, time, path, resumed_from}."""
+    """The reply of NN rank 0 (docs/architecture.md, "Checkpoints"): {step, time, path, resumed_from}."""
 
     model_config = ConfigDict(extra="ignore")
 

@@ -198,7 +198,7 @@ class PeriodicCheckpointing:
 
     def _serve_checkpoint_subjects(self) -> list:
         """Every rank answers ``nn.position.<rank>`` (where a data loader restarted in place
-        resumes); rank 0 answers ``checkpoint.latest`` (CONTRACTS.md; the operator reads it)."""
+        resumes); rank 0 answers ``checkpoint.latest`` (docs/architecture.md, "Checkpoints"; the operator reads it)."""
         from persia.messages import NoPayload
 
         subs = [self.bus.serve(subject("nn", "position", self.rank), lambda _req: self._live_position(),
