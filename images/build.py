@@ -60,8 +60,8 @@ class Image:
 
 
 IMAGES = {
-    "runtime-cpu": Image("runtime-cpu", "persiaml/persia-cpu-runtime:latest", "runtime", "runtime"),
-    "runtime-cuda": Image("runtime-cuda", "persiaml/persia-cuda-runtime:latest", "runtime", "runtime"),
+    "runtime-cpu": Image("runtime-cpu", "persiaml/persia-cpu-runtime:0.1.0", "runtime", "runtime"),
+    "runtime-cuda": Image("runtime-cuda", "persiaml/persia-cuda-runtime:0.1.0", "runtime", "runtime"),
     "operator": Image("operator", "persiaml/persia-operator:0.1.0", "operator", "operator", torch=False),
 }
 

@@ -26,7 +26,7 @@ from e2e.install import CHART, NAMESPACE, RELEASE, namespace_manifest, render_ch
 from e2e.scenarios import EXTERNAL_NATS, SEED, example_manifest, test_auc  # noqa: E402
 
 IMAGES = {
-    "persiaml/persia-cpu-runtime:latest": "images/runtime-cpu.Dockerfile",
+    "persiaml/persia-cpu-runtime:0.1.0": "images/runtime-cpu.Dockerfile",
     "persiaml/persia-operator:latest": "images/operator.Dockerfile",
 }
 

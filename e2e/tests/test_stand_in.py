@@ -22,7 +22,7 @@ from e2e.scenarios import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not os.path.exists(KUBECTL), reason="kubectl not installed")]
 
-IMAGE = "persiaml/persia-cpu-runtime:latest"
+IMAGE = "persiaml/persia-cpu-runtime:0.1.0"
 SERVER = "import http.server, os; http.server.HTTPServer(('127.0.0.1', int(os.environ['PORT'])), http.server.SimpleHTTPRequestHandler).serve_forever()"  # noqa: E501
 
 

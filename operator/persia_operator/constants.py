@@ -57,8 +57,10 @@ LAUNCHER_COMMANDS = {
 SERVICE_PORTS = {ROLE_PS: 8888, ROLE_EMBEDDING_WORKER: 8887}
 METRICS_PORT = 9090
 
-DEFAULT_CPU_IMAGE = "persiaml/persia-cpu-runtime:latest"
-DEFAULT_CUDA_IMAGE = "persiaml/persia-cuda-runtime:latest"
+# the chart's appVersion, as the operator image's: `:latest` made the kubelet pull on every start
+# (an image built here or loaded into the nodes was never used) and named PERSIA's own images
+DEFAULT_CPU_IMAGE = "persiaml/persia-cpu-runtime:0.1.0"
+DEFAULT_CUDA_IMAGE = "persiaml/persia-cuda-runtime:0.1.0"
 DEFAULT_NATS_IMAGE = "nats:2.10-alpine"
 NATS_CLIENT_PORT = 4222
 NATS_CLUSTER_PORT = 6222

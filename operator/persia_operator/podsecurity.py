@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-RUN_AS = 1000  # any non-root uid works: the images need no writable home (HOME=/tmp)
+# the images' own user (`persia`, images/*.Dockerfile): files it wrote on a volume whose storage
+# ignores fsGroup (many NFS / RWX classes) stay its own across pods; the images need no writable
+# home (HOME=/tmp)
+RUN_AS = 65532
 
 
 def pod_security_context() -> dict[str, Any]:

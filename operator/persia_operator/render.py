@@ -123,7 +123,9 @@ def secret_volumes(spec: PersiaJobSpec) -> tuple[list[dict[str, Any]], list[dict
     if spec.grpc_tls is not None:
         refs.append(("grpc-tls", spec.grpc_tls.secret_name, GRPC_TLS_DIR))
     for name, secret, path in refs:
-        volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": 0o440}})
+        # readable by every uid: with `securityContext: none` there is no fsGroup, the files are
+        # root's, and the images' user could not read a 0440 key (TLS material, creds)
+        volumes.append({"name": name, "secret": {"secretName": secret, "defaultMode": 0o444}})
         mounts.append({"name": name, "mountPath": path, "readOnly": True})
     return volumes, mounts
 
@@ -386,29 +388,17 @@ def gang_scheduler(spec: PersiaJobSpec) -> str | None:
     return {"volcano": "volcano", "coscheduling": "scheduler-plugins-scheduler"}.get(spec.scheduling.gang)
 
 
-KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-
-
 def gang_labels(job: PersiaJob) -> dict[str, str]:
-    """Pod labels joining the job's gang: a coscheduling PodGroup, and Kueue's plain-pod
-    group (all pods of one attempt are admitted together) when the job has a queue."""
-    labels = {}
+    """Pod labels joining the job's gang (a coscheduling PodGroup)."""
     if job.spec.scheduling.gang == "coscheduling":
-        labels["scheduling.x-k8s.io/pod-group"] = naming.pod_group_name(job.name)
-    queue = job.metadata.labels.get(KUEUE_QUEUE_LABEL)
-    if queue:
-        labels[KUEUE_QUEUE_LABEL] = queue
-        labels["kueue.x-k8s.io/pod-group-name"] = f"{job.name}-a{job.status.attempt}"
-    return labels
+        return {"scheduling.x-k8s.io/pod-group": naming.pod_group_name(job.name)}
+    return {}
 
 
 def gang_annotations(job: PersiaJob) -> dict[str, str]:
-    annotations = {}
     if job.spec.scheduling.gang == "volcano":
-        annotations["scheduling.k8s.io/group-name"] = naming.pod_group_name(job.name)
-    if job.metadata.labels.get(KUEUE_QUEUE_LABEL):
-        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(total_pods(job.spec))
-    return annotations
+        return {"scheduling.k8s.io/group-name": naming.pod_group_name(job.name)}
+    return {}
 
 
 def render_pod_group(job: PersiaJob) -> list[dict[str, Any]]:

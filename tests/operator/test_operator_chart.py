@@ -203,3 +203,19 @@ def test_dashboards_config_map_carries_the_dashboard_json():
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     board = json.loads(config_map["data"]["persia-operator.json"])
     assert board == json.loads((CHART / "dashboards" / "persia-operator.json").read_text())
+
+
+def test_the_chart_needs_the_kubernetes_whose_api_takes_what_the_operator_renders():
+    """The PS and embedding workers get a `preStop: sleep` hook, off by default before 1.30: an
+    older API server drops it and refuses the StatefulSet ("must specify a handler type")."""
+    from persia_operator.job import PersiaJob
+    from persia_operator.render import render
+    from persia_operator.spec import validate_job
+    from operator_testkit import job_body
+
+    chart = yaml.safe_load((REPO / "charts/persia-operator/Chart.yaml").read_text())
+    meta, spec = validate_job(job_body())
+    hooks = [c.get("lifecycle", {}).get("preStop", {}) for m in render(PersiaJob(metadata=meta, spec=spec))
+             if m["kind"] == "StatefulSet" for c in m["spec"]["template"]["spec"]["containers"]]
+    assert any("sleep" in h for h in hooks)
+    assert chart["kubeVersion"] == ">=1.30.0-0"

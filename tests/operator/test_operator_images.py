@@ -110,6 +110,15 @@ def test_operator_chart_runs_the_image_user():
     assert values["podSecurityContext"]["runAsUser"] == build.RUNTIME_UID
 
 
+def test_the_operators_pods_run_the_runtime_images_user():
+    """Files written to a volume whose storage ignores fsGroup (NFS, many RWX classes) belong to
+    the pod's uid; one other than the images' user (1000 before) left them to a stranger."""
+    from persia_operator.podsecurity import pod_security_context
+
+    context = pod_security_context()
+    assert context["runAsUser"] == context["runAsGroup"] == context["fsGroup"] == build.RUNTIME_UID
+
+
 @pytest.mark.parametrize("name, entry, cmd", [("runtime-cpu", "persia-launcher", '["--help"]'),
                                               ("runtime-cuda", "persia-launcher", '["--help"]'),
                                               ("operator", "persia-operator", '["run", "--all-namespaces"]')])
@@ -122,8 +131,9 @@ def test_entry_points(name, entry, cmd):
 def test_tags_are_the_ones_the_operator_and_chart_use():
     chart = yaml.safe_load((REPO / "charts/persia-operator/Chart.yaml").read_text())
     assert build.IMAGES["operator"].tag == f"persiaml/persia-operator:{chart['appVersion']}"
-    assert build.IMAGES["runtime-cpu"].tag == C.DEFAULT_CPU_IMAGE
-    assert build.IMAGES["runtime-cuda"].tag == C.DEFAULT_CUDA_IMAGE
+    assert build.IMAGES["runtime-cpu"].tag == C.DEFAULT_CPU_IMAGE == f"persiaml/persia-cpu-runtime:{chart['appVersion']}"
+    assert build.IMAGES["runtime-cuda"].tag == C.DEFAULT_CUDA_IMAGE == f"persiaml/persia-cuda-runtime:{chart['appVersion']}"
+    assert project()["version"] == chart["appVersion"]  # no image of ours is :latest (the kubelet would pull it always)
 
 
 @pytest.mark.parametrize("name, label", [("runtime-cpu", "+cpu"), ("runtime-cuda", "+${TORCH_CUDA}")])
@@ -270,3 +280,14 @@ def test_freeze_drift_names_the_lock_lines_not_installed():
     freeze = "grpcio==1.85.3\ntyping_extensions==4.16.0\npersia-k8s @ file:///dist/x.whl\n"
     assert build.freeze_drift(freeze, lock) == []
     assert build.freeze_drift("grpcio==1.80.0\n", lock) == ["grpcio==1.85.3", "typing-extensions==4.16.0"]
+
+
+def test_the_operator_image_has_what_its_nats_probe_imports_for_creds():
+    """nats-py imports nkeys only when a `.creds` file or an nkey seed is used: the operator's
+    probe of a job's NATS with `nats.auth` type creds failed in the image (not in the dev venv)."""
+    source = (REPO / "operator/persia_operator/natswatch.py").read_text()
+    assert "user_credentials" in source or "nkeys_seed" in source
+    extra = {re.split(r"[<>=!~ \[]", d)[0] for d in project()["optional-dependencies"]["operator"]}
+    assert "nkeys" in extra
+    lock = (IMAGES / "requirements" / "operator.txt").read_text()
+    assert re.search(r"^nkeys==", lock, flags=re.M) and re.search(r"^pynacl==", lock, flags=re.M)
