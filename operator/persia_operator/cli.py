@@ -5,19 +5,26 @@
     persia-operator crd                           # the CustomResourceDefinition
     persia-operator release-finalizers [-n NS ...|-A]   # before uninstalling (Helm hook)
 
-With no sub-command (`python -m persia_operator`), it runs the operator.
+With no sub-command (`python -m persia_operator`), it runs the operator. A rejected
+option (flag or PERSIA_OPERATOR_* variable) is one `error:` line on stderr each, naming
+where it came from and its value, and exit status 2 (as argparse's usage errors).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
-from typing import Any, TextIO
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
 from .spec import SpecError
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 def render_documents(text: str) -> list[dict[str, Any]]:
@@ -74,16 +81,59 @@ def _render(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace) -> Any:
+class ConfigError(Exception):
+    """The operator's options were rejected; `problems` are the lines to show."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+FLAGS = {"namespaces": "--namespace", "reconcile_interval": "--interval", "liveness": "--liveness",
+         "verbose": "--verbose", "leader_elect": "--leader-elect"}  # fmt: skip
+ENV_FALLBACKS = {"namespaces": "WATCH_NAMESPACE", "lease_namespace": "POD_NAMESPACE", "identity": "HOSTNAME"}
+
+
+def option_source(field: str, flags: set[str], env: Mapping[str, str]) -> str:
+    """Where an option's value came from (as OperatorConfig.from_env reads them): its
+    command-line flag, its PERSIA_OPERATOR_* variable, or the variable it falls back to."""
+    if field in flags:
+        return FLAGS.get(field, field)
+    key = f"PERSIA_OPERATOR_{field.upper()}"
+    return key if key in env or field not in ENV_FALLBACKS else ENV_FALLBACKS[field]
+
+
+def config_problems(error: ValidationError, flags: set[str], env: Mapping[str, str]) -> list[str]:
+    """One line per problem of a pydantic ValidationError from OperatorConfig, naming the
+    flag or variable and the value it had (a raw pydantic report names neither)."""
+    problems = []
+    for item in error.errors():
+        msg = str(item["msg"]).removeprefix("Value error, ")
+        if not item["loc"]:  # a rule across options (lease timings): the message names them
+            problems.append(f"invalid configuration: {msg}")
+            continue
+        problems.append(f"{option_source(str(item['loc'][0]), flags, env)}={item['input']!r}: {msg}")
+    return problems
+
+
+def _config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Any:
+    """The operator's options (flags over environment); raises ConfigError."""
+    from pydantic import ValidationError
+
     from .config import OperatorConfig
 
-    config = OperatorConfig.from_env(
-        namespaces=args.namespace or None,
-        reconcile_interval=getattr(args, "interval", None),
-        liveness=getattr(args, "liveness", None),
-        verbose=args.verbose or None,
-        leader_elect=getattr(args, "leader_elect", False) or None,
-    )
+    env = os.environ if env is None else env
+    overrides = {
+        "namespaces": args.namespace or None,
+        "reconcile_interval": getattr(args, "interval", None),
+        "liveness": getattr(args, "liveness", None),
+        "verbose": args.verbose or None,
+        "leader_elect": getattr(args, "leader_elect", False) or None,
+    }
+    try:
+        config = OperatorConfig.from_env(dict(env), **overrides)
+    except ValidationError as err:
+        raise ConfigError(config_problems(err, {k for k, v in overrides.items() if v is not None}, env)) from None
     if args.all_namespaces:
         config = config.model_copy(update={"namespaces": []})
     logging.basicConfig(
@@ -132,7 +182,7 @@ async def serve_standby_liveness(url: str | None) -> None:
         await runner.cleanup()
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(config: Any) -> int:
     import asyncio
     import socket
     import uuid
@@ -143,7 +193,6 @@ def _run(args: argparse.Namespace) -> int:
     from .handlers import register, run_kwargs
     from .leader import LeaderElector, run_as_leader
 
-    config = _config(args)
     if config.metrics_port:
         from prometheus_client import start_http_server
 
@@ -203,10 +252,8 @@ async def release_finalizers(api: Any, namespaces: list[str]) -> list[str]:
     return released
 
 
-def _release(args: argparse.Namespace, out: TextIO) -> int:
+def _release(config: Any, out: TextIO) -> int:
     import asyncio
-
-    config = _config(args)
 
     async def main() -> list[str]:
         api = _standalone_api(config)
@@ -259,9 +306,15 @@ def main(argv: list[str] | None = None, out: TextIO | None = None, err: TextIO |
         return _render(args, out, err)
     if args.command == "crd":
         return _crd(out)
+    try:
+        config = _config(args)
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"error: {problem}", file=err)
+        return 2
     if args.command == "release-finalizers":
-        return _release(args, out)
-    return _run(args)
+        return _release(config, out)
+    return _run(config)
 
 
 if __name__ == "__main__":

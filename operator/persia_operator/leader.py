@@ -6,10 +6,14 @@ A replica that does not hold the lease waits (standby) and serves its liveness e
 the holder renews every `renew_period`; a holder that cannot renew within
 `renew_deadline` (2/3 of the lease) stops its operator and exits, before any other
 replica can see the lease expired, so two replicas are never active at once (given
-clocks that agree to within the remaining third). On a clean shutdown the holder releases the lease and a standby takes
-over within `retry_period`; when the holder dies, within `lease_duration + retry_period`.
+clocks that agree to within the remaining third). Each renewal call is bounded by the
+time left until that deadline (an API call may otherwise hang for the client's
+request timeout, 60 s, far past the lease), and a failed one is retried every
+`retry_period` until then. On a clean shutdown the holder releases the lease and a
+standby takes over within `retry_period`; when the holder dies, within
+`lease_duration + retry_period`.
 
-`decide` is the pure decision; `LeaderElector` the I/O around it.
+`decide` and `next_renewal` are the pure decisions; `LeaderElector` the I/O around them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -57,6 +61,34 @@ def decide(lease: dict[str, Any] | None, me: str, now: datetime) -> Decision:
     return "wait"
 
 
+@dataclass(frozen=True)
+class RenewalStep:
+    """The holder's next renewal: sleep `wait` seconds, then make a call that may take
+    at most `timeout` seconds (the time then left until the step-down deadline)."""
+
+    wait: float
+    timeout: float
+
+
+def next_renewal(since_renewed: float, due: float, renew_deadline: float) -> RenewalStep | None:
+    """When the holder renews next and how long that call may take, or None: step down
+    now. `since_renewed`: seconds since the last successful renewal (the renewTime it
+    wrote); `due`: when (on that scale) the next call is due. A call that could not
+    finish before `renew_deadline` is never made: the holder would act past its lease."""
+    start = max(since_renewed, due)
+    timeout = renew_deadline - start
+    if timeout <= 0:
+        return None
+    return RenewalStep(wait=start - since_renewed, timeout=timeout)
+
+
+def renewal_due(renew_period: float, renew_deadline: float) -> float:
+    """When a renewal is due after a success: `renew_period`, but no later than half-way
+    to the deadline, so that the call and its retries have time (renew_period may be as
+    long as the deadline itself, which would leave none)."""
+    return min(renew_period, renew_deadline / 2)
+
+
 @dataclass
 class LeaderElector:
     api: KubeApi
@@ -67,6 +99,7 @@ class LeaderElector:
     renew_period: float = 5.0
     retry_period: float = 2.0
     clock: Callable[[], datetime] = lambda: datetime.now(UTC)
+    renewed: datetime | None = field(default=None, init=False)  # the renewTime last written
 
     def _lease(self, now: datetime, transitions: int, acquire: str | None, rv: str | None) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
@@ -106,18 +139,22 @@ class LeaderElector:
             if err.code in (409, 422):
                 return False  # someone else won the race
             raise
+        self.renewed = now
         if action != "renew":
             log.info(f"{self.identity} became the leader (lease {self.namespace}/{self.name})")
         return True
 
     async def acquire(self) -> None:
-        """Wait (standby) until this replica holds the lease."""
+        """Wait (standby) until this replica holds the lease. A try is bounded by the
+        step-down deadline: a lease won by a call that answered later is already stale."""
         while True:
             try:
-                if await self.try_acquire():
+                if await asyncio.wait_for(self.try_acquire(), self.renew_deadline):
                     return
             except ApiError as err:
                 log.warning(f"leader election: {err}")
+            except TimeoutError:
+                log.warning(f"leader election: no answer within {self.renew_deadline:g}s")
             await asyncio.sleep(self.retry_period)
 
     @property
@@ -127,30 +164,45 @@ class LeaderElector:
         return self.lease_duration * RENEW_DEADLINE_FRACTION
 
     async def hold(self) -> None:
-        """Renew until renewing fails for `renew_deadline`; then return (lost)."""
-        last = self.clock()
+        """Renew until the lease is lost or no renewal succeeded for `renew_deadline`;
+        then return (the caller stops the operator)."""
+        last = self.renewed or self.clock()
+        due = renewal_due(self.renew_period, self.renew_deadline)
         while True:
-            await asyncio.sleep(self.renew_period)
-            attempt = self.clock()  # the renewTime a successful renewal writes
+            step = next_renewal((self.clock() - last).total_seconds(), due, self.renew_deadline)
+            if step is None:
+                log.error(f"{self.identity} could not renew the lease for {self.renew_deadline:g}s: stepping down")
+                return
+            if step.wait > 0:
+                await asyncio.sleep(step.wait)
+                continue  # re-plan: the sleep may have overrun
             try:
-                if await self.try_acquire():
-                    last = attempt
-                    continue
+                renewed = await asyncio.wait_for(self.try_acquire(), step.timeout)
+            except (ApiError, TimeoutError) as err:
+                reason = f"no answer within {step.timeout:.1f}s" if isinstance(err, TimeoutError) else str(err)
+                log.warning(f"leader election: cannot renew the lease: {reason}")
+                due = (self.clock() - last).total_seconds() + self.retry_period
+                continue
+            if not renewed:
                 log.error(f"{self.identity} lost the lease to another replica")
                 return
-            except ApiError as err:
-                log.warning(f"leader election: cannot renew the lease: {err}")
-            if (self.clock() - last).total_seconds() + self.renew_period >= self.renew_deadline:
-                log.error(f"{self.identity} could not renew the lease for {self.renew_deadline:.0f}s: stepping down")
-                return
+            last = self.renewed or last
+            due = renewal_due(self.renew_period, self.renew_deadline)
 
     async def release(self) -> None:
-        """Give the lease up (clean shutdown): a standby takes over at its next retry."""
-        with contextlib.suppress(ApiError):
-            lease = await self.api.get("Lease", self.namespace, self.name)
-            if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
-                await self.api.merge_patch("Lease", self.namespace, self.name,
-                                           {"spec": {"holderIdentity": None, "renewTime": None}})  # fmt: skip
+        """Give the lease up (clean shutdown): a standby takes over at its next retry.
+        Bounded by the lease: a holder that stepped down because the API hangs should
+        exit, not wait the request timeout, and by then the lease has expired anyway."""
+        with contextlib.suppress(ApiError, TimeoutError):
+            await asyncio.wait_for(self._release(), self.lease_duration)
+
+    async def _release(self) -> None:
+        lease = await self.api.get("Lease", self.namespace, self.name)
+        if lease and (lease.get("spec") or {}).get("holderIdentity") == self.identity:
+            rv = (lease.get("metadata") or {}).get("resourceVersion")  # never clear a new holder's lease
+            await self.api.merge_patch("Lease", self.namespace, self.name,
+                                       {"metadata": {"resourceVersion": rv} if rv else {},
+                                        "spec": {"holderIdentity": None, "renewTime": None}})  # fmt: skip
 
 
 async def _logging_errors(what: str, coro_fn: Callable[[], Any]) -> None:

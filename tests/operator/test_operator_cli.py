@@ -1,8 +1,9 @@
-"""`persia-operator render|crd` and the process configuration."""
+"""`persia-operator render|crd`, the process configuration and how a rejected one is shown."""
 
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 import yaml
 from operator_testkit import EXAMPLE, REPO, job_body
 
-from persia_operator.cli import main
+from persia_operator.cli import main, option_source
 from persia_operator.config import OperatorConfig
 from persia_operator.crdgen import crd_yaml
 from persia_operator.handlers import run_kwargs
@@ -123,3 +124,46 @@ def test_operator_settings():
     assert settings.watching.connect_timeout and settings.networking.request_timeout
     assert settings.scanning.disabled is True
     assert settings.peering.standalone is True
+
+
+@pytest.mark.parametrize("env, args, expected", [
+    ({"PERSIA_OPERATOR_RENEW_PERIOD": "20"}, ["run"],
+     [("error: invalid configuration: renew_period (PERSIA_OPERATOR_RENEW_PERIOD) = 20 must be at most 2/3 of "
+       "lease_duration (PERSIA_OPERATOR_LEASE_DURATION) = 15")]),
+    ({"PERSIA_OPERATOR_RENEW_PERIOD": "abc", "PERSIA_OPERATOR_METRICS_PORT": "http"}, ["run"],
+     ["error: PERSIA_OPERATOR_METRICS_PORT='http': Input should be a valid integer",
+      "error: PERSIA_OPERATOR_RENEW_PERIOD='abc': Input should be a valid number"]),
+    ({}, ["run", "--interval", "-1"], ["error: --interval=-1.0: Input should be greater than 0"]),
+    ({"PERSIA_OPERATOR_RECONCILE_INTERVAL": "0"}, ["release-finalizers"],
+     ["error: PERSIA_OPERATOR_RECONCILE_INTERVAL='0': Input should be greater than 0"]),
+])  # fmt: skip
+def test_a_rejected_configuration_is_one_line_per_problem_and_exit_status_2(monkeypatch, env, args, expected):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code, out, err = run_cli(*args)
+    lines = err.splitlines()
+    assert code == 2 and out == ""
+    assert len(lines) == len(expected) and "Traceback" not in err and "pydantic" not in err
+    for line, start in zip(sorted(lines), sorted(expected), strict=True):
+        assert line.startswith(start), line
+
+
+def test_a_rejected_configuration_from_the_entry_point_has_no_traceback():
+    env = {**os.environ, "PERSIA_OPERATOR_RENEW_PERIOD": "20"}
+    result = subprocess.run([sys.executable, "-m", "persia_operator"], capture_output=True, text=True,
+                            timeout=60, cwd=REPO, env=env)  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: invalid configuration: renew_period (PERSIA_OPERATOR_RENEW_PERIOD) = 20")
+    assert len(result.stderr.splitlines()) == 1 and result.stdout == ""
+
+
+@pytest.mark.parametrize("field, flags, env, expected", [
+    ("renew_period", set(), {}, "PERSIA_OPERATOR_RENEW_PERIOD"),
+    ("reconcile_interval", {"reconcile_interval"}, {"PERSIA_OPERATOR_RECONCILE_INTERVAL": "3"}, "--interval"),
+    ("namespaces", set(), {"WATCH_NAMESPACE": "a"}, "WATCH_NAMESPACE"),
+    ("namespaces", set(), {"PERSIA_OPERATOR_NAMESPACES": "a", "WATCH_NAMESPACE": "b"}, "PERSIA_OPERATOR_NAMESPACES"),
+    ("identity", set(), {"HOSTNAME": "pod-1"}, "HOSTNAME"),
+    ("lease_namespace", set(), {"PERSIA_OPERATOR_LEASE_NAMESPACE": "ns"}, "PERSIA_OPERATOR_LEASE_NAMESPACE"),
+])  # fmt: skip
+def test_option_source(field, flags, env, expected):
+    assert option_source(field, flags, env) == expected

@@ -1,5 +1,7 @@
-"""Leader election: the pure decision table, and two electors against KMock (one active,
-failover when the leader dies or steps down, never two active at once).
+"""Leader election: the pure decision tables, two electors against KMock (one active,
+failover when the leader dies or steps down, never two active at once), and a holder
+against a fake API whose renewals hang or fail (it steps down before its lease ends;
+it retries a failed renewal).
 
 What KMock cannot check: it does not enforce resourceVersion preconditions, so two
 replicas racing for a free lease in the same instant are not exercised (a real API
@@ -8,6 +10,7 @@ server answers the loser 409, which `try_acquire` treats as "not the leader").""
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -16,8 +19,9 @@ import kopf
 import pytest
 from operator_testkit import wait_for
 
-from persia_operator.kube import KubeApi
-from persia_operator.leader import MICROTIME, LeaderElector, decide, exit_status, run_as_leader
+from persia_operator.kube import ApiError, KubeApi
+from persia_operator.leader import (MICROTIME, LeaderElector, RenewalStep, decide, exit_status, next_renewal,
+                                    renewal_due, run_as_leader)  # fmt: skip
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -193,3 +197,132 @@ def test_the_lease_is_never_shorter_than_the_holders_deadline_assumes():
     elector = LeaderElector(None, "ns", "lease", "me", lease_duration=1.5)
     assert elector._lease(NOW, 0, None, None)["spec"]["leaseDurationSeconds"] == 2
     assert LeaderElector(None, "ns", "lease", "me")._lease(NOW, 0, None, None)["spec"]["leaseDurationSeconds"] == 15
+
+
+# --- A renewal call that hangs or fails: the holder never acts past its lease. ---
+
+
+@pytest.mark.parametrize("since, due, deadline, expected", [
+    (0, 5, 10, RenewalStep(wait=5, timeout=5)),  # just renewed: sleep, then the call may take the rest
+    (5, 5, 10, RenewalStep(wait=0, timeout=5)),  # due now
+    (5.5, 5, 10, RenewalStep(wait=0, timeout=4.5)),  # woke late: less time for the call
+    (6, 8, 10, RenewalStep(wait=2, timeout=2)),  # failed at 6: retry after retry_period
+    (9, 11, 10, None),  # a retry would come after the deadline: step down now
+    (10, 5, 10, None),  # the deadline passed (a hung call timed out at it)
+    (12, 5, 10, None),
+])  # fmt: skip
+def test_next_renewal(since, due, deadline, expected):
+    assert next_renewal(since, due, deadline) == expected
+
+
+@pytest.mark.parametrize("renew_period, deadline, expected", [
+    (5, 10, 5),
+    (10, 10, 5),  # the longest period the config allows would leave the call no time
+    (0.2, 2 / 3, 0.2),
+])  # fmt: skip
+def test_renewal_due(renew_period, deadline, expected):
+    assert renewal_due(renew_period, deadline) == expected
+
+
+class FakeLeaseApi:
+    """A Lease held in memory; each write (create or renewal) does what the next entry
+    of `writes` says ("ok", "fail": a 503, "hang": never answers), then `then`; a
+    release does what `release` says."""
+
+    def __init__(self, writes=(), then="ok", release="ok"):
+        self.lease = None
+        self.writes, self.then, self.release = list(writes), then, release
+        self.done: list[str] = []  # what each create or renewal did, in order
+        self.renewed: list[str] = []  # the renewTime of each create or renewal that was written
+
+    async def _write(self, what=None):
+        if what is None:
+            what = self.writes.pop(0) if self.writes else self.then
+            self.done.append(what)
+        if what == "hang":
+            await asyncio.Event().wait()
+        if what == "fail":
+            raise ApiError(503, "ServiceUnavailable", "etcd leader changed")
+
+    async def get(self, kind, namespace, name):
+        return copy.deepcopy(self.lease)
+
+    async def create(self, body):
+        await self._write()
+        self.lease = copy.deepcopy(body)
+        self.renewed.append(body["spec"]["renewTime"])
+        return body
+
+    async def merge_patch(self, kind, namespace, name, patch):
+        await self._write(self.release if patch["spec"]["holderIdentity"] is None else None)
+        self.lease["spec"].update(patch["spec"])
+        if patch["spec"]["renewTime"]:
+            self.renewed.append(patch["spec"]["renewTime"])
+        return self.lease
+
+
+def renew_time(api):
+    """The renewTime of the last renewal written."""
+    return datetime.strptime(api.renewed[-1], MICROTIME).replace(tzinfo=UTC)
+
+
+@pytest.mark.parametrize("renewed_first", [0, 2])
+async def test_a_hanging_renewal_stops_the_holder_before_its_lease_expires(renewed_first):
+    lease = 1.5  # step-down deadline 1.0 s after the last renewal
+    api = FakeLeaseApi(["ok"] * (1 + renewed_first), then="hang")  # create, renewals, then no answer
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=lease, renew_period=0.2, retry_period=0.05)
+    stopped = []
+
+    async def operate():
+        try:
+            await asyncio.Event().wait()
+        finally:
+            stopped.append(datetime.now(UTC))
+
+    # The old holder awaited the hung call for ever (in production: the 60 s request timeout).
+    assert await asyncio.wait_for(run_as_leader(elector, operate), timeout=5) == 1
+    assert api.done[: 2 + renewed_first] == ["ok"] * (1 + renewed_first) + ["hang"]
+    acted_for = (stopped[0] - renew_time(api)).total_seconds()
+    assert acted_for < lease, f"the operator ran {acted_for:.2f}s after its last renewal (lease {lease}s)"
+
+
+async def test_a_failed_renewal_is_retried_and_the_holder_keeps_leading():
+    # renew_period = half the 1.0 s deadline: the old holder, which retried only
+    # renew_period after a failure, stepped down at the first one.
+    api = FakeLeaseApi(["ok", "fail", "ok"])
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=1.5, renew_period=0.5, retry_period=0.1)
+    await elector.acquire()
+    holding = asyncio.get_running_loop().create_task(elector.hold())
+    try:
+        # Three renewals after the failure span more than the deadline: still the leader.
+        await wait_for(lambda: holding.done() or len(api.done) >= 5, what="renewals after a failure")
+        assert not holding.done() and api.done[:5] == ["ok", "fail", "ok", "ok", "ok"]
+    finally:
+        holding.cancel()
+        await asyncio.gather(holding, return_exceptions=True)
+
+
+async def test_renewals_that_keep_failing_are_retried_until_the_deadline_then_the_holder_steps_down():
+    api = FakeLeaseApi(["ok"], then="fail")
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=1.5, renew_period=0.5, retry_period=0.1)
+    await elector.acquire()
+    await asyncio.wait_for(elector.hold(), timeout=10)
+    stepped_down = (datetime.now(UTC) - renew_time(api)).total_seconds()
+    assert api.done.count("fail") >= 3  # retried every retry_period, not once
+    assert 0.8 <= stepped_down < 1.5  # at the 1.0 s deadline (less a retry period), before the lease ends
+
+
+async def test_a_hanging_release_is_abandoned_when_the_lease_would_have_expired():
+    # A holder that stepped down because the API hangs exits; the lease expires by itself.
+    api = FakeLeaseApi(release="hang")
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=0.3, renew_period=0.1, retry_period=0.05)
+    await elector.acquire()
+    await asyncio.wait_for(elector.release(), timeout=5)
+    assert api.lease["spec"]["holderIdentity"] == "me"
+
+
+async def test_a_hanging_acquisition_is_abandoned_and_retried():
+    api = FakeLeaseApi(["hang", "ok"])
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=0.3, renew_period=0.1, retry_period=0.05)
+    await asyncio.wait_for(elector.acquire(), timeout=10)
+    assert api.done == ["hang", "ok"] and elector.renewed == renew_time(api)
