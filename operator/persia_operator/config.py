@@ -46,7 +46,9 @@ class OperatorConfig(BaseModel):
     renew_period: float = Field(
         5.0, gt=0, description="Seconds between renewals; at most 2/3 of lease_duration."
     )
-    retry_period: float = Field(2.0, gt=0, description="Seconds between a standby's tries to take the Lease.")
+    retry_period: float = Field(
+        2.0, gt=0, description="Seconds between a standby's tries to take the Lease, and a holder's renewal retries."
+    )
 
     @field_validator("namespaces", mode="before")
     @classmethod
@@ -94,8 +96,10 @@ def lease_timing_problem(lease_duration: float, renew_period: float) -> str | No
     its last success; it first retries `renew_period` after that success. A longer
     period means its first renewal comes after the step-down deadline (and, from
     `renew_period >= lease_duration` on, after the lease has expired: a standby takes
-    it while the holder still runs). retry_period only paces a standby (how soon it
-    notices a free lease), so it cannot cause two leaders and is not bounded here.
+    it while the holder still runs). retry_period paces a standby (how soon it notices a
+    free lease) and the holder's retries of a failed renewal, which never outlast the
+    step-down deadline (leader.next_renewal): it cannot cause two leaders and is not
+    bounded here.
     Checked even without leader election: the values mean nothing else, and a bad
     pair should not wait until election is switched on to surface.
     """
