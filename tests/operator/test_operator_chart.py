@@ -219,3 +219,20 @@ def test_the_chart_needs_the_kubernetes_whose_api_takes_what_the_operator_render
              if m["kind"] == "StatefulSet" for c in m["spec"]["template"]["spec"]["containers"]]
     assert any("sleep" in h for h in hooks)
     assert chart["kubeVersion"] == ">=1.30.0-0"
+
+
+def test_only_the_operators_pods_match_its_selectors():
+    """The pre-delete hook's pod carried the operator's selector labels, so the metrics Service
+    and PodMonitor took it (no metrics port) for an operator pod during an uninstall."""
+    docs, _ = render(VALUES["monitors"])
+    deployment = next(d for d in docs if d["kind"] == "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    for d in docs:
+        if d["kind"] in ("Job", "Deployment"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            matches = all(labels.get(k) == v for k, v in selector.items())
+            assert matches == (d is deployment), (d["kind"], d["metadata"]["name"], labels)
+    for d in docs:
+        if d["kind"] in ("Service", "PodMonitor"):
+            chosen = d["spec"]["selector"].get("matchLabels", d["spec"]["selector"])
+            assert chosen == selector, d["kind"]
