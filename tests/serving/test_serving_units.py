@@ -17,7 +17,7 @@ from persia.serving.cli import add_serve_parser, config_from_args
 from persia.serving.config import ServeConfig
 from persia.serving.local_stack import infer_global_config
 from persia.serving.model import resolve_model_file
-from persia.serving.predictor import ModelNotLoaded
+from persia.serving.predictor import ModelInputError, ModelNotLoaded
 from persia.serving.request import RequestError, batch_from_json, merge, split
 from persia.serving.answers import classify
 
@@ -95,6 +95,8 @@ def test_model_file_is_the_file_or_the_newest_complete_checkpoint(tmp_path):
     (QueueFull("full"), 503, "overloaded"),
     (ModelNotLoaded("none"), 503, "unavailable"),
     (RemoteError("ew", "down", "UNAVAILABLE"), 503, "unavailable"),
+    (RemoteError("ew", "late", "DEADLINE_EXCEEDED"), 504, "timeout"),  # the lookup ran out of the request's time
+    (ModelInputError("the model does not take ..."), 400, "bad_request"),
     (TimeoutError(), 504, "timeout"),
     (ZeroDivisionError("boom"), 500, "internal"),
 ])

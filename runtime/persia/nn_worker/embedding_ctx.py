@@ -259,11 +259,26 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             self._rr = (self._rr + 1) % len(workers)
             return workers[self._rr]
 
-    def _lookup_batch(self, batch: PersiaBatch) -> PersiaTrainingBatch:
-        """Direct lookup of a local batch (eval/infer datasets): never creates or trains rows."""
-        resp = self._next_worker().call(
-            "LookupDirect", {"batch_size": batch.batch_size, "features": id_features_to_wire(batch)}
-        )
+    def _lookup_batch(self, batch: PersiaBatch, timeout: float = 60.0, failover: bool = False) -> PersiaTrainingBatch:
+        """Direct lookup of a local batch (eval/infer datasets): never creates or trains rows.
+
+        ``timeout``: seconds for the whole lookup (a worker that does not answer in time fails it
+        with DEADLINE_EXCEEDED). ``failover`` (the model server): a worker answering UNAVAILABLE
+        is retried once on the next worker with the time left, instead of failing the batch."""
+        request = {"batch_size": batch.batch_size, "features": id_features_to_wire(batch)}
+        end = time.monotonic() + timeout
+        worker = self._next_worker()
+        try:
+            resp = worker.call("LookupDirect", request, timeout=timeout)
+        except RemoteError as exc:
+            workers = self._worker_clients()
+            left = end - time.monotonic()
+            if not failover or exc.kind != "UNAVAILABLE" or len(workers) < 2 or left <= 0:
+                raise
+            other = workers[(workers.index(worker) + 1) % len(workers)]
+            log.info("embedding worker %s unavailable, looking up on %s: %s", worker.address, other.address,
+                     exc.remote_message)
+            resp = other.call("LookupDirect", request, timeout=left)
         return PersiaTrainingBatch(
             non_id_type_features=[np.asarray(f.data) for f in batch.non_id_type_features],
             non_id_type_feature_names=[f.name for f in batch.non_id_type_features],

@@ -1,8 +1,9 @@
 """How a failed request is answered, the same on HTTP and gRPC (pure).
 
-A bad request is 400 / INVALID_ARGUMENT naming the field; a full queue, a missing model or an
-unreachable embedding worker is 503 / UNAVAILABLE; a request not answered within
-``request_timeout_s`` is 504 / DEADLINE_EXCEEDED; anything else is 500 / INTERNAL and logged.
+A bad request is 400 / INVALID_ARGUMENT naming the field (features the model does not take too);
+a full queue, a missing model or an unreachable embedding worker is 503 / UNAVAILABLE; a request
+not answered within ``request_timeout_s``, or whose embedding lookup ran out of that time, is
+504 / DEADLINE_EXCEEDED; anything else is 500 / INTERNAL and logged.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from persia.errors import RemoteError
 from persia.serving.batcher import QueueFull
-from persia.serving.predictor import ModelNotLoaded
+from persia.serving.predictor import ModelInputError, ModelNotLoaded
 from persia.serving.request import RequestError
 
 
@@ -29,12 +30,16 @@ def classify(exc: BaseException) -> ServeError:
         return exc
     if isinstance(exc, RequestError):
         return ServeError(400, "bad_request", str(exc), exc.field)
+    if isinstance(exc, ModelInputError):
+        return ServeError(400, "bad_request", str(exc))
     if isinstance(exc, QueueFull):
         return ServeError(503, "overloaded", f"overloaded: {exc}")
     if isinstance(exc, ModelNotLoaded):
         return ServeError(503, "unavailable", f"no model loaded: {exc}")
     if isinstance(exc, RemoteError):
+        if exc.kind == "DEADLINE_EXCEEDED":  # the lookup ran out of the request's time
+            return ServeError(504, "timeout", f"embedding lookup not answered in time: {exc}")
         return ServeError(503, "unavailable", f"embedding lookup failed: {exc}")
     if isinstance(exc, (TimeoutError, FutureTimeout)):
-        return ServeError(504, "timeout", "no answer in time")
+        return ServeError(504, "timeout", f"no answer in time{': ' + str(exc) if str(exc) else ''}")
     return ServeError(500, "internal", f"{type(exc).__name__}: {exc}")

@@ -4,6 +4,11 @@ The first request of a batch waits at most ``max_latency_s`` for others; a batch
 once it holds ``max_batch_size`` samples. Requests whose slots or dense columns differ are never
 merged (they run as separate batches). The queue is bounded: a full queue refuses at once
 (``QueueFull``, answered 503) instead of letting latency grow without limit.
+
+Every request carries a deadline: one whose caller gave up (its future cancelled) or whose
+deadline passed before its batch ran is dropped, not run, so an overloaded server spends its
+time on requests someone still waits for. ``run(batches, deadline)`` gets the earliest deadline
+of the batch's requests, for its own calls (the embedding lookup).
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ class QueueFull(RuntimeError):
     """More requests wait than ``max_queue``."""
 
 
-def take_batch(pending: list[tuple[PersiaBatch, Future]], max_batch_size: int) -> tuple[list, list]:
-    """Pure decision: the requests of the first request's signature that fit ``max_batch_size``
-    samples (the first always goes, even alone over the limit), and the rest in arrival order."""
+def take_batch(pending: list[tuple], max_batch_size: int) -> tuple[list, list]:
+    """Pure decision: the requests (``(batch, ...)`` tuples) of the first request's signature that
+    fit ``max_batch_size`` samples (the first always goes, even alone over the limit: the run
+    splits it), and the rest in arrival order."""
     if not pending:
         return [], []
     sig = signature(pending[0][0])
@@ -42,11 +48,16 @@ def take_batch(pending: list[tuple[PersiaBatch, Future]], max_batch_size: int) -
     return taken, rest
 
 
-class Batcher:
-    """``submit(batch)`` returns a Future of that request's output rows; ``run(batches)`` gets
-    the requests of one model batch and returns one output per request."""
+def _expired() -> TimeoutError:
+    return TimeoutError("the request's deadline passed before its batch ran")
 
-    def __init__(self, run: Callable[[Sequence[PersiaBatch]], list], max_batch_size: int,
+
+class Batcher:
+    """``submit(batch, deadline)`` returns a Future of that request's output rows (cancel it to
+    drop the request); ``run(batches, deadline)`` gets the requests of one model batch and the
+    earliest of their deadlines (``time.monotonic()``), and returns one output per request."""
+
+    def __init__(self, run: Callable[[Sequence[PersiaBatch], float | None], list], max_batch_size: int,
                  max_latency_s: float, max_queue: int = 1024, workers: int = 2,
                  on_batch: Callable[[int], None] | None = None):
         self._run = run
@@ -66,51 +77,95 @@ class Batcher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def submit(self, batch: PersiaBatch) -> Future:
+    def submit(self, batch: PersiaBatch, deadline: float | None = None) -> Future:
+        """``deadline``: ``time.monotonic()`` after which the request is not run any more."""
         if self._stop.is_set():
             raise RuntimeError("the model server is stopping")
         fut: Future = Future()
         try:
-            self._queue.put_nowait((batch, fut))
+            self._queue.put_nowait((batch, fut, deadline))
         except queue.Full:
             raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
         return fut
 
-    def _collect(self) -> None:
-        pending: list[tuple[PersiaBatch, Future]] = []
-        while not self._stop.is_set():
-            if not pending:
-                try:
-                    pending.append(self._queue.get(timeout=0.2))
-                except queue.Empty:
-                    continue
-            deadline = time.monotonic() + self.max_latency_s
-            while sum(b.batch_size for b, _ in pending) < self.max_batch_size:
-                left = deadline - time.monotonic()
-                try:
-                    pending.append(self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            taken, pending = take_batch(pending, self.max_batch_size)
-            self._slots.acquire()
-            self._pool.submit(self._execute, taken)
-        for _, fut in pending:
-            fut.set_exception(RuntimeError("the model server is stopping"))
+    @staticmethod
+    def _still_wanted(item: tuple) -> bool:
+        """False for a request nobody waits for any more: cancelled, or past its deadline (then
+        failed with TimeoutError, in case its caller has not given up yet)."""
+        _, fut, deadline = item
+        if fut.cancelled():
+            return False
+        if deadline is not None and time.monotonic() >= deadline:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(_expired())
+            return False
+        return True
 
-    def _execute(self, taken: list[tuple[PersiaBatch, Future]]) -> None:
+    def _collect(self) -> None:
+        """A batch is formed once a slot to run it is free: requests that queued meanwhile join
+        it, and those nobody waits for any more are dropped then, not run."""
+        pending: list[tuple[PersiaBatch, Future, float | None]] = []
+        while not self._stop.is_set():
+            if not self._slots.acquire(timeout=0.2):
+                continue
+            taken: list = []
+            try:
+                taken, pending = self._next_batch(pending)
+                if taken:
+                    self._pool.submit(self._execute, taken)
+            finally:
+                if not taken:
+                    self._slots.release()
+        for _, fut, _ in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the model server is stopping"))
+
+    def _next_batch(self, pending: list) -> tuple[list, list]:
+        """(the requests of the next batch, those left waiting); waits for a first request at most
+        0.2 s, then at most ``max_latency_s`` for others."""
+        pending = [item for item in pending if self._still_wanted(item)]
+        if not pending:
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                return [], pending
+            if not self._still_wanted(item):
+                return [], pending
+            pending.append(item)
+        close_at = time.monotonic() + self.max_latency_s
+        while sum(item[0].batch_size for item in pending) < self.max_batch_size:
+            left = close_at - time.monotonic()
+            try:
+                item = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if self._still_wanted(item):
+                pending.append(item)
+        return take_batch([item for item in pending if self._still_wanted(item)], self.max_batch_size)
+
+    def _execute(self, taken: list[tuple[PersiaBatch, Future, float | None]]) -> None:
         try:
-            live = [(b, f) for b, f in taken if f.set_running_or_notify_cancel()]
+            live = []
+            now = time.monotonic()
+            for b, f, deadline in taken:  # it may have waited for a slot: drop what expired meanwhile
+                if not f.set_running_or_notify_cancel():
+                    continue  # cancelled: its caller got its answer already
+                if deadline is not None and now >= deadline:
+                    f.set_exception(_expired())
+                    continue
+                live.append((b, f, deadline))
             if not live:
                 return
             if self._on_batch is not None:
-                self._on_batch(sum(b.batch_size for b, _ in live))
+                self._on_batch(sum(b.batch_size for b, _, _ in live))
+            deadlines = [d for _, _, d in live if d is not None]
             try:
-                outputs = self._run([b for b, _ in live])
+                outputs = self._run([b for b, _, _ in live], min(deadlines) if deadlines else None)
             except BaseException as exc:  # every waiting request gets the error
-                for _, f in live:
+                for _, f, _ in live:
                     f.set_exception(exc)
                 return
-            for (_, f), out in zip(live, outputs):  # an exception in place of an output fails that request
+            for (_, f, _), out in zip(live, outputs):  # an exception in place of an output fails that request
                 f.set_exception(out) if isinstance(out, BaseException) else f.set_result(out)
         finally:
             self._slots.release()
@@ -121,7 +176,8 @@ class Batcher:
         self._pool.shutdown(wait=True)
         while True:
             try:
-                _, fut = self._queue.get_nowait()
+                _, fut, _ = self._queue.get_nowait()
             except queue.Empty:
                 break
-            fut.set_exception(RuntimeError("the model server is stopping"))
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("the model server is stopping"))

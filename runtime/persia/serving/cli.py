@@ -33,6 +33,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-latency-ms", **env_flag("PERSIA_SERVE_MAX_LATENCY_MS", float, "number", 5.0))
     p.add_argument("--workers", **env_flag("PERSIA_SERVE_WORKERS", int, "integer", 2))
     p.add_argument("--model-poll-seconds", **env_flag("PERSIA_SERVE_MODEL_POLL_SECONDS", float, "number", 5.0))
+    p.add_argument("--request-timeout-s", **env_flag("PERSIA_SERVE_REQUEST_TIMEOUT_S", float, "number", 30.0),
+                   help="a request not answered within this is answered 504 / DEADLINE_EXCEEDED")
+    p.add_argument("--http-timeout-s", **env_flag("PERSIA_SERVE_HTTP_TIMEOUT_S", float, "number", 30.0),
+                   help="HTTP: the longest wait for a client (each read or write, the whole body, an idle "
+                        "keep-alive connection)")
     return p
 
 
@@ -52,7 +57,8 @@ def config_from_args(args, env=None):
         embedding_workers=addresses, model=args.model or "", http_port=args.http_port,
         grpc_port=None if args.grpc_port < 0 else args.grpc_port, host=bind_address(env),
         max_batch_size=args.max_batch_size, max_latency_ms=args.max_latency_ms, workers=args.workers,
-        model_poll_seconds=args.model_poll_seconds,
+        model_poll_seconds=args.model_poll_seconds, request_timeout_s=args.request_timeout_s,
+        http_timeout_s=args.http_timeout_s,
     )
 
 

@@ -31,6 +31,11 @@ class ServeConfig(BaseModel):
     """How often the model file is checked for a new version (reloaded without a restart)."""
     max_request_bytes: int = Field(default=64 << 20, ge=1024)
     request_timeout_s: float = Field(default=30.0, gt=0.0)
+    """A request not answered within this is answered 504 (and dropped if it has not run); its
+    embedding lookup gets what is left of it."""
+    http_timeout_s: float = Field(default=30.0, gt=0.0)
+    """HTTP: every socket read or write waits at most this, and a request body must arrive within
+    it (else 408); an idle keep-alive connection is closed after it."""
 
     @field_validator("embedding_workers")
     @classmethod

@@ -4,7 +4,8 @@ calls it: ``Client(addr, "persia.ModelServer").call("Predict", {"batch": batch.t
 
 Predict: ``{"batch": PersiaBatch.to_bytes()}`` -> ``{"predictions": float32 array (bs, out)}``.
 Status codes: bad request INVALID_ARGUMENT (naming the field), overloaded / no model / embedding
-worker down UNAVAILABLE, timeout DEADLINE_EXCEEDED, other INTERNAL.
+worker down UNAVAILABLE, timeout DEADLINE_EXCEEDED (``request_timeout_s``, or the caller's deadline
+when shorter: it bounds the request, its lookup included), other INTERNAL.
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ class PredictRequest(_Msg):
 
 
 def start_grpc(server: Any, host: str, port: int, tls: GrpcTls | None = None):
-    def predict(req: dict) -> dict:
+    def predict(req: dict, context: grpc.ServicerContext) -> dict:
         try:
             batch = batch_from_bytes(req["batch"])
         except RequestError as exc:
             err = ServeError(400, "bad_request", str(exc), exc.field)
             server.count_refused("grpc", err)
             raise err from None
-        return {"predictions": server.predict(batch, "grpc")}
+        # the caller's deadline, when it set one shorter than request_timeout_s, bounds the request
+        return {"predictions": server.predict(batch, "grpc", context.time_remaining())}
 
-    def ready(_req) -> dict:
+    def ready(_req, _context) -> dict:
         ok, why = server.ready()
         return {"ready": ok, "reason": why}
 
@@ -53,7 +55,7 @@ def start_grpc(server: Any, host: str, port: int, tls: GrpcTls | None = None):
                 server.count_refused("grpc", ServeError(400, "bad_request", request.why))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed message: {request.why}")
             try:
-                return fn(validate(schema, request["m"], where))
+                return fn(validate(schema, request["m"], where), context)
             except MessageError as exc:
                 server.count_refused("grpc", ServeError(400, "bad_request", str(exc)))
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -1,33 +1,57 @@
 """HTTP/JSON front of the model server (stdlib ``ThreadingHTTPServer``: no new dependency).
 
 ``POST /v1/predict`` (JSON, or ``application/x-persia-batch`` = ``PersiaBatch.to_bytes()``) ->
-``{"predictions": [[...], ...]}``; ``GET /ready``, ``GET /live`` (200 or 503 with a reason),
-``GET /metrics`` (Prometheus text).
+``{"predictions": [[...], ...]}`` (a value that is not finite is ``null``: JSON has no NaN);
+``GET /ready``, ``GET /live`` (200 or 503 with a reason), ``GET /metrics`` (Prometheus text).
+
+A slow client holds its connection's thread for a bounded time: every socket read and write waits
+at most ``http_timeout_s``, a request body must arrive within ``http_timeout_s`` altogether (else
+408 and the connection is closed), and an idle keep-alive connection is closed after it. (Header
+lines are read one at a time, each within ``http_timeout_s``.)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import numpy as np
 
 from persia.serving.request import RequestError, batch_from_bytes, batch_from_json
 from persia.serving.answers import ServeError
 
+log = logging.getLogger(__name__)
+
 BINARY_TYPES = ("application/x-persia-batch", "application/octet-stream")
+_MAX_LENGTH_DIGITS = 18  # a longer Content-Length is over any max_request_bytes (and int() stays cheap)
+
+
+def predictions_json(out: np.ndarray) -> list:
+    """Output rows as JSON values: a value that is not finite becomes None (JSON has no NaN)."""
+    rows = out.tolist()
+    if np.isfinite(out).all():
+        return rows
+    mask = np.isfinite(out).tolist()
+    if out.ndim == 1:
+        return [v if ok else None for v, ok in zip(rows, mask)]
+    return [[v if ok else None for v, ok in zip(r, m)] for r, m in zip(rows, mask)]
 
 
 def _handler(server: Any):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "persia-serving"
+        timeout = server.config.http_timeout_s  # StreamRequestHandler sets it on the socket
 
         def log_message(self, fmt, *args):  # access logs would drown the role's log
             pass
 
         def _send(self, status: int, body: dict | bytes, content_type: str = "application/json") -> None:
-            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            data = body if isinstance(body, bytes) else json.dumps(body, allow_nan=False).encode()
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
@@ -66,38 +90,85 @@ def _handler(server: Any):
             except ServeError as err:
                 self._error(err)
                 return
-            self._send(200, {"predictions": out.tolist()})
+            self._send(200, {"predictions": predictions_json(out)})
+
+        def _read_body(self, length: int) -> bytes:
+            """``length`` bytes within ``http_timeout_s`` altogether (a client trickling its body
+            a byte at a time would restart a per-read timeout forever)."""
+            end = time.monotonic() + self.timeout
+            chunks, got = [], 0
+            try:
+                while got < length:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    self.connection.settimeout(left)
+                    chunk = self.rfile.read1(min(length - got, 1 << 20))
+                    if not chunk:
+                        self.close_connection = True
+                        raise ServeError(400, "bad_request", f"the body ended after {got} of {length} bytes",
+                                         "body")
+                    chunks.append(chunk)
+                    got += len(chunk)
+            except TimeoutError:
+                self.close_connection = True
+                raise ServeError(408, "bad_request", f"the body did not arrive within {self.timeout:g} s "
+                                 f"({got} of {length} bytes)", "body") from None
+            finally:
+                self.connection.settimeout(self.timeout)
+            return b"".join(chunks)
 
         def _read_batch(self):
             raw_len = self.headers.get("Content-Length")
-            if raw_len is None or not raw_len.isdigit():
-                raise ServeError(411, "bad_request", "Content-Length is required", "Content-Length")
-            length = int(raw_len)
+            # ASCII digits only: "²" passes str.isdigit() yet int() refuses it
+            if raw_len is None or not (raw_len.isascii() and raw_len.isdigit()):
+                self.close_connection = True  # the body's end is unknown: the connection cannot be reused
+                raise ServeError(411, "bad_request", "Content-Length is required (decimal digits)", "Content-Length")
+            length = int(raw_len) if len(raw_len) <= _MAX_LENGTH_DIGITS else server.config.max_request_bytes + 1
             if length > server.config.max_request_bytes:
                 self.close_connection = True
-                raise ServeError(413, "bad_request", f"body of {length} bytes exceeds "
+                raise ServeError(413, "bad_request", f"body of {raw_len} bytes exceeds "
                                  f"{server.config.max_request_bytes}", "Content-Length")
-            body = self.rfile.read(length)
+            body = self._read_body(length)
             ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
             try:
                 if ctype == "application/json":
                     try:
                         parsed = json.loads(body)
-                    except (ValueError, UnicodeDecodeError) as exc:
+                    except (ValueError, UnicodeDecodeError) as exc:  # > 4300-digit numbers too
                         raise RequestError("body", f"not valid JSON: {exc}") from None
+                    except RecursionError:
+                        raise RequestError("body", "not valid JSON: nested too deeply") from None
                     return batch_from_json(parsed)
                 if ctype in BINARY_TYPES:
                     return batch_from_bytes(body)
             except RequestError as exc:
                 raise ServeError(400, "bad_request", str(exc), exc.field) from None
+            except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+                # a parse failure the checks above missed: still the body's fault, never a dropped connection
+                log.warning("unexpected parse failure (answered 400): %s: %s", type(exc).__name__, exc)
+                raise ServeError(400, "bad_request", f"body: cannot parse: {type(exc).__name__}: {exc}",
+                                 "body") from None
             raise ServeError(415, "bad_request", f"Content-Type {ctype!r} is not application/json or "
                              f"{BINARY_TYPES[0]}", "Content-Type")
 
     return Handler
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away mid-answer is not the server's error (no traceback on stderr)."""
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("HTTP client %s: %s", client_address, exc)
+            return
+        log.exception("HTTP request from %s failed", client_address)
+
+
 def start_http(server: Any, host: str, port: int) -> ThreadingHTTPServer:
-    httpd = ThreadingHTTPServer((host, port), _handler(server))
+    httpd = _Server((host, port), _handler(server))
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="serve-http", daemon=True).start()
     return httpd

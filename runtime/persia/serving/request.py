@@ -9,7 +9,9 @@ JSON body (``POST /v1/predict``, ``Content-Type: application/json``)::
 IDs are unsigned 64-bit integers, as JSON numbers or decimal strings (JavaScript clients lose
 precision above 2^53). The binary form (``application/x-persia-batch``) is
 ``PersiaBatch.to_bytes()``: versioned, pickle-free (``persia.wire.codec``).
-Every error names the field and the value, and becomes a 400.
+Every error names the field and the value, and becomes a 400. Dense features reach the model as
+float32 and finite: the binary form's float16 and 8/16-bit integer columns are widened (exact);
+float64, 32/64-bit integers and bool are refused naming the feature, as are NaN and infinities.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from persia.data_loader.batch import (
 )
 
 _U64_MAX = (1 << 64) - 1
+_U64_DIGITS = len(str(_U64_MAX))
+#: dense dtypes widened to float32 without changing a value; others are refused (the model takes float32)
+_EXACT_IN_FLOAT32 = frozenset(np.dtype(t) for t in (np.float16, np.int8, np.int16, np.uint8, np.uint16))
 
 
 class RequestError(ValueError):
@@ -45,14 +50,23 @@ def _short(value: Any) -> str:
 def _id(value: Any, field: str) -> int:
     if isinstance(value, bool):
         raise RequestError(field, f"an ID must be an unsigned 64-bit integer, got {_short(value)}")
-    if isinstance(value, str) and value.isdigit():
+    # ASCII digits only: "²" and other Unicode digits pass str.isdigit() yet int() refuses them, and
+    # a long string would reach int()'s 4300-digit limit (ValueError) or cost quadratic time
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= _U64_DIGITS:
         value = int(value)
     if not isinstance(value, int) or not 0 <= value <= _U64_MAX:
         raise RequestError(field, f"an ID must be an unsigned 64-bit integer, got {_short(value)}")
     return value
 
 
+def _name(name: str, field: str) -> str:
+    if not name:
+        raise RequestError(field, "a feature name must not be empty")
+    return name
+
+
 def _id_feature(name: str, samples: Any, field: str) -> IDTypeFeature | IDTypeFeatureWithSingleID:
+    _name(name, "id_type_features")
     if not isinstance(samples, list) or not samples:
         raise RequestError(field, f"expected a non-empty list with one entry per sample, got {_short(samples)}")
     if all(not isinstance(s, list) for s in samples):
@@ -75,12 +89,33 @@ def _dense(samples: Any, field: str) -> np.ndarray:
                 raise RequestError(f"{field}[{i}]" + (f"[{j}]" if isinstance(row, list) else ""),
                                    f"expected a number, got {_short(v)}")
     try:
-        arr = np.asarray(samples, dtype=np.float32)
+        with np.errstate(over="ignore"):  # a value beyond float32 becomes inf: refused just below
+            arr = np.asarray(samples, dtype=np.float32)
+    except OverflowError:  # an integer beyond float64 (10**400)
+        raise RequestError(field, "values must be finite float32 numbers") from None
     except ValueError as exc:
         raise RequestError(field, f"rows must all have the same length ({exc})") from None
     if not np.isfinite(arr).all():
-        raise RequestError(field, "values must be finite")
+        raise RequestError(field, "values must be finite float32 numbers (no NaN, no infinity, "
+                                  f"at most {float(np.finfo(np.float32).max):.4g} in magnitude)")
     return arr.reshape(-1, 1) if arr.ndim == 1 else arr
+
+
+def check_dense(batch: PersiaBatch) -> PersiaBatch:
+    """A binary request's dense features as the model takes them: float32 and finite. Exact
+    widening (float16, 8/16-bit integers) is done; anything else is a RequestError naming the
+    feature. The JSON path builds float32 itself (:func:`_dense`)."""
+    for part in batch.non_id_type_features:
+        field = f"non_id_type_features.{part.name}"
+        dtype = part.data.dtype
+        if dtype != np.float32:
+            if dtype not in _EXACT_IN_FLOAT32:
+                raise RequestError(field, f"dtype {dtype} is not accepted: the model takes float32 (send float32; "
+                                          f"float16 and 8/16-bit integers are widened exactly)")
+            part.data = part.data.astype(np.float32)
+        if not np.isfinite(part.data).all():
+            raise RequestError(field, "values must be finite (no NaN, no infinity)")
+    return batch
 
 
 def batch_from_json(body: Any) -> PersiaBatch:
@@ -97,7 +132,10 @@ def batch_from_json(body: Any) -> PersiaBatch:
     if not isinstance(dense, dict):
         raise RequestError("non_id_type_features", f"expected an object of name -> rows, got {_short(dense)}")
     features = [_id_feature(name, s, f"id_type_features.{name}") for name, s in ids.items()]
-    non_id = [NonIDTypeFeature(_dense(rows, f"non_id_type_features.{name}"), name=name) for name, rows in dense.items()]
+    non_id = []
+    for name, samples in dense.items():
+        _name(name, "non_id_type_features")
+        non_id.append(NonIDTypeFeature(_dense(samples, f"non_id_type_features.{name}"), name=name))
     sizes = {f"id_type_features.{f.name}": f.batch_size for f in features}
     sizes.update({f"non_id_type_features.{p.name}": p.data.shape[0] for p in non_id})
     first = next(iter(sizes.values()))
@@ -111,11 +149,15 @@ def batch_from_json(body: Any) -> PersiaBatch:
 
 
 def batch_from_bytes(buf: bytes) -> PersiaBatch:
-    """``PersiaBatch.to_bytes()`` from a client; labels and gradients flags are ignored."""
+    """``PersiaBatch.to_bytes()`` from a client; labels and gradients flags are ignored; dense
+    features as :func:`check_dense` leaves them."""
     try:
-        return PersiaBatch.from_bytes(buf)
+        batch = PersiaBatch.from_bytes(buf)
     except PersiaDataError as exc:
         raise RequestError("body", str(exc)) from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # any decoding failure is the payload's
+        raise RequestError("body", f"not a PersiaBatch payload: {type(exc).__name__}: {exc}") from None
+    return check_dense(batch)
 
 
 def signature(batch: PersiaBatch) -> tuple:
@@ -156,3 +198,31 @@ def split(output: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
         raise ValueError(f"model returned {output.shape[0]} rows for {sum(sizes)} samples")
     bounds = np.cumsum([0, *sizes])
     return [output[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+
+
+def rows(batch: PersiaBatch, start: int, stop: int) -> PersiaBatch:
+    """Samples ``start:stop`` of ``batch`` (ID and dense features; a request larger than
+    ``max_batch_size`` runs in such chunks)."""
+    features = []
+    for f in batch.id_type_features:
+        if isinstance(f, IDTypeFeatureWithSingleID):
+            features.append(IDTypeFeatureWithSingleID(f.name, f.data[start:stop]))
+            continue
+        values, offsets = f.to_csr()
+        offsets = np.asarray(offsets, dtype=np.int64)
+        features.append(IDTypeFeature.from_csr(f.name, values[offsets[start]:offsets[stop]],
+                                               offsets[start:stop + 1] - offsets[start]))
+    non_id = [NonIDTypeFeature(p.data[start:stop], name=p.name) for p in batch.non_id_type_features]
+    return PersiaBatch(features, non_id_type_features=non_id, requires_grad=False)
+
+
+def describe(sig: tuple) -> str:
+    """A :func:`signature` in words: what a request must send to match it."""
+    slots, dense = sig
+    text = f"ID slots {list(slots)}"
+    if dense:
+        text += " and dense features " + ", ".join(
+            f"{name} ({'x'.join(map(str, shape)) or 'scalar'} per sample)" for name, _, shape in dense)
+    else:
+        text += " and no dense features"
+    return text

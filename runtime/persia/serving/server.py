@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
 
@@ -25,7 +26,8 @@ class ModelServer:
         self.metrics = ServingMetrics()
         self.model = DenseModel(config.model, config.model_poll_seconds,
                                 on_load=self._on_model_load)
-        self.predictor = Predictor(config.embedding_workers, self.model)
+        self.predictor = Predictor(config.embedding_workers, self.model, config.max_batch_size,
+                                   on_model_call=self.metrics.batch_size.observe)
         self.batcher = Batcher(self.predictor.run, config.max_batch_size, config.max_latency_ms / 1000.0,
                                config.max_queue, config.workers, on_batch=self._on_batch)
         self.model.start()
@@ -48,17 +50,26 @@ class ModelServer:
             self.metrics.model_loaded.set(time.time())
 
     def _on_batch(self, samples: int) -> None:
-        self.metrics.batch_size.observe(samples)
         self.metrics.queue_depth.set(self.batcher.depth())
 
-    def predict(self, batch: PersiaBatch, protocol: str) -> np.ndarray:
-        """Output rows for one request; raises ServeError. Records the request's metrics."""
+    def predict(self, batch: PersiaBatch, protocol: str, timeout_s: float | None = None) -> np.ndarray:
+        """Output rows for one request; raises ServeError. Records the request's metrics.
+
+        The request has ``request_timeout_s`` (or the caller's ``timeout_s``, a gRPC deadline, if
+        shorter); its embedding lookup gets what is left of that. A request not answered in time
+        is cancelled: it is answered 504 and, if it has not started, never runs."""
         t0 = time.monotonic()
         code = 200
+        limit = self.config.request_timeout_s if timeout_s is None else min(timeout_s, self.config.request_timeout_s)
+        deadline = t0 + limit
         try:
-            fut = self.batcher.submit(batch)
+            fut = self.batcher.submit(batch, deadline)
             self.metrics.queue_depth.set(self.batcher.depth())
-            out = fut.result(timeout=self.config.request_timeout_s)
+            try:
+                out = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                fut.cancel()  # its batch has not started: it never will
+                raise
             self.metrics.samples.inc(batch.batch_size)
             return out
         except BaseException as exc:
