@@ -24,7 +24,7 @@ from persia.nn_worker import checkpoint_plan as plan
 from persia.nn_worker.checkpoint import CheckpointLoadError
 
 from .cluster import cluster
-from .test_training_path import Model, eval_embeddings, make_batch, send_in_thread
+from .test_training_path import Model, eval_embeddings, make_batch, send_in_thread, train_stream
 
 pytestmark = pytest.mark.integration
 
@@ -369,10 +369,7 @@ def test_a_trailing_batch_whose_lookup_fails_is_counted_as_dropped(persia_env, c
         with caplog.at_level("ERROR", logger="persia.nn_worker.loader"):
             with TailLookupFails(model=model, embedding_optimizer=Adagrad(lr=0.1), peer_batches=[4], fail_from=5,
                                  dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
-                for batch in DataLoader(StreamingDataset(4), embedding_staleness=1, reproducible=True):
-                    out, labels = ctx.forward(batch)
-                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
-                ctx.wait_for_pending_updates()
+                train_stream(ctx)
         sender.join(30)
     assert not errors, errors
     assert ctx.step == 4

@@ -95,17 +95,23 @@ def adagrad_ctx(model) -> TrainCtx:
                     dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def train_stream(ctx, staleness: int = 1) -> int:
+    """Train ``ctx`` on its stream to the end (BCE on the first label); the steps trained."""
+    trained = 0
+    for batch in DataLoader(StreamingDataset(4), embedding_staleness=staleness, reproducible=True):
+        out, labels = ctx.forward(batch)
+        ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        trained += 1
+    ctx.wait_for_pending_updates()
+    return trained
+
+
 def train(model, n_batches, staleness, optimizer=None, seed0=0):
     errors: list = []
     sender = send_in_thread([make_batch(seed0 + i) for i in range(n_batches)], errors)
-    trained = 0
     with TrainCtx(model=model, embedding_optimizer=optimizer or Adagrad(lr=0.1),
                   dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
-        for batch in DataLoader(StreamingDataset(4), embedding_staleness=staleness, reproducible=True):
-            out, labels = ctx.forward(batch)
-            ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
-            trained += 1
-        ctx.wait_for_pending_updates()
+        trained = train_stream(ctx, staleness)
         stats = ctx.get_embedding_size()
     sender.join(30)
     assert not errors, errors
