@@ -309,3 +309,46 @@ def test_threads_sending_on_one_context_each_batch_goes_once(persia_env, monkeyp
     assert sent == list(range(12))  # each batch in exactly one message
     result = ACCOUNT.as_result()
     assert result["batches_sent"] == 12 and result["batches_trained"] == 12 and result["batches_failed"] == {}
+
+
+def test_a_loader_that_refills_one_buffer_sends_each_batch_as_it_was(persia_env, monkeypatch):
+    """A batch held for its group partner was encoded only when the group went, from the user's
+    own arrays: a loader that refills one buffer per batch (a common pattern) trained batch N's
+    IDs with batch N+1's dense features and labels. The dense leg is copied when the batch is
+    made into a message."""
+    import numpy as np
+
+    from persia.embedding.data import Label, NonIDTypeFeature, PersiaBatch
+
+    monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
+    dense = np.zeros((16, 2), dtype=np.float32)  # BS rows: one buffer, refilled for every batch
+    label = np.zeros((16, 1), dtype=np.float32)
+
+    def refilling(ctx, batches, errors, _trained):
+        for i, template in enumerate(batches):
+            dense[:] = i
+            label[:] = i % 2
+            ctx.send_data(PersiaBatch(template.id_type_features, non_id_type_features=[NonIDTypeFeature(dense, name="dense")],
+                                      labels=[Label(label, name="y")], requires_grad=True))
+
+    got: dict[int, tuple[float, float]] = {}
+    serve = NatsBus.serve
+
+    def keeping(self, subj, handler, **kwargs):  # what the NN rank receives, as it receives it
+        if subj.split(".")[3] in ("batch", "batch_group"):
+            def note(fn):
+                def run(obj):
+                    for b in obj.get("batches", [obj]):
+                        got[int(b["batch_id"])] = (float(np.asarray(b["non_id"][0]["data"]).max()),
+                                                   float(np.asarray(b["labels"][0]["data"]).max()))
+                    return fn(obj)
+                return run
+            handler = note(handler)
+            if kwargs.get("try_first") is not None:
+                kwargs["try_first"] = note(kwargs["try_first"])
+        return serve(self, subj, handler, **kwargs)
+
+    monkeypatch.setattr(NatsBus, "serve", keeping)
+    seen, errors, _ = train_grouped(monkeypatch, [make_batch(i) for i in range(5)], send=refilling)
+    assert errors == [] and seen == [0, 1, 2, 3, 4]
+    assert got == {i: (float(i), float(i % 2)) for i in range(5)}, got

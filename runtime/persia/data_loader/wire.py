@@ -24,5 +24,8 @@ def id_features_to_wire(batch: PersiaBatch) -> dict:
 
 
 def _named_arrays(items) -> list[dict]:
-    return [{"name": x.name, "data": np.asarray(x.data)} for x in (items or [])]
+    """The dense features or labels of a batch, copied: a batch held for its group partner is
+    encoded later, and a loader that refills one buffer per batch would send the next batch's
+    values with this batch's IDs (the ID leg is packed into new arrays already)."""
+    return [{"name": x.name, "data": np.array(x.data, copy=True)} for x in (items or [])]
 
