@@ -148,6 +148,12 @@ class HashStackConfig(_Section):
                 f"hash_stack_rounds is {self.hash_stack_rounds} but embedding_size is 0; "
                 f"a hash stack needs embedding_size > 0"
             )
+        if self.hash_stack_rounds == 0 and self.embedding_size > 0:
+            raise ValueError(
+                f"embedding_size is {self.embedding_size} but hash_stack_rounds is 0, which turns the hash "
+                f"stack off; set hash_stack_rounds > 0 to use it, or embedding_size: 0 (or drop "
+                f"hash_stack_config) for no hash stack"
+            )
         return self
 
     @property
@@ -285,6 +291,10 @@ class EmbeddingSchema(_Section):
     def _derive(self) -> "EmbeddingSchema":
         if not self.slots_config:
             raise ValueError("slots_config defines no slots; a job needs at least one ID feature")
+        for name in self.slots_config:
+            if name == "":
+                raise ValueError(f"slots_config: slot name {name!r} is empty; every slot needs a name "
+                                 f"(the name its ID feature is sent under)")
         groups, slots = _resolve_groups(self.feature_index_prefix_bit, self.slots_config, self.feature_groups)
         self._groups = groups
         self._slots = MappingProxyType(slots)

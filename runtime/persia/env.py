@@ -10,7 +10,21 @@ from persia.errors import PersiaValidationError
 log = logging.getLogger(__name__)
 
 PERSIA_LAUNCHER_VERBOSE = os.environ.get("PERSIA_LAUNCHER_VERBOSE", "0") == "1"
-PERSIA_SKIP_CHECK_DATA = os.environ.get("PERSIA_SKIP_CHECK_DATA", "0") == "1"
+
+
+def skip_check_data(environ=None) -> bool:
+    """``PERSIA_SKIP_CHECK_DATA`` (1/on/true/yes or 0/off/false/no, default off): skip the checks of
+    the data a loader builds (``persia.data_loader.batch``). Read at every call, so a test or a
+    launcher can flip it; another value is refused naming the variable."""
+    return switch_on("PERSIA_SKIP_CHECK_DATA", os.environ if environ is None else environ, default=False)
+
+
+def __getattr__(name: str):
+    # PERSIA's module constant, read now rather than once at import (the same answer as
+    # ``skip_check_data()``, which the data checks use)
+    if name == "PERSIA_SKIP_CHECK_DATA":
+        return skip_check_data()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _int_env(name: str, default: int | None) -> int | None:

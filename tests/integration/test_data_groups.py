@@ -20,6 +20,7 @@ from persia.errors import PersiaError
 from persia.nn_worker.accounting import ACCOUNT
 
 from .cluster import GLOBAL_CONFIG, cluster
+from .old_workers import without_slot_list
 from .test_training_path import Model, make_batch
 
 pytestmark = pytest.mark.integration
@@ -111,6 +112,7 @@ def test_a_group_of_one_sends_every_batch_alone(persia_env, monkeypatch):
 
 
 def test_a_batch_the_worker_refuses_fails_alone_and_its_group_partner_trains(persia_env, monkeypatch):
+    without_slot_list(monkeypatch)  # the worker, not the data loader, refuses the unknown slot
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
     batches = [make_batch(0), make_batch(1, unknown_slot=True), make_batch(2), make_batch(3)]
     seen, errors, messages = train_grouped(monkeypatch, batches)
@@ -240,6 +242,7 @@ def test_a_batch_held_while_an_older_hold_runs_does_not_wake_the_hold_thread(per
 def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia_env, monkeypatch):
     """The hold thread sends a lone held batch the worker refuses: the loader's next ``send_data``
     raises that error before its own batch takes an id, so the caller may send it again."""
+    without_slot_list(monkeypatch)  # the worker, not the data loader, refuses the unknown slot
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
     monkeypatch.setenv("PERSIA_DATA_GROUP_HOLD_MS", "20")
     outcome: dict = {}
@@ -272,6 +275,7 @@ def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia
 def test_a_large_batch_is_sent_even_when_the_batch_held_before_it_fails(persia_env, monkeypatch):
     """The held batch goes first, alone, and the worker refuses it; the large batch after it is
     still sent (before, the first failure skipped it: sent by nobody, counted by nobody)."""
+    without_slot_list(monkeypatch)  # the worker, not the data loader, refuses the unknown slot
     monkeypatch.setenv("PERSIA_DATA_GROUP", "2")
     batches = [make_batch(0, unknown_slot=True), make_batch(1)]
     batches[1].meta = b"m" * (20 << 20)

@@ -20,6 +20,7 @@ from persia.errors import DataLoaderFailed, RemoteError
 from tests.polling import poll_until
 
 from .cluster import cluster
+from .old_workers import without_slot_list
 
 pytestmark = pytest.mark.integration
 
@@ -137,7 +138,8 @@ def test_every_sent_batch_is_trained_and_embeddings_move(persia_env):
         assert np.abs(after[0][0]).sum() > 0
 
 
-def test_unknown_slot_is_rejected_with_its_name(persia_env):
+def test_unknown_slot_is_rejected_with_its_name(persia_env, monkeypatch):
+    without_slot_list(monkeypatch)  # the worker refuses it (a data loader checks it first: test_send_checks.py)
     with cluster():
         model = Model()
         errors: list = []

@@ -13,12 +13,12 @@ Batches serialize with the pickle-free codec in :mod:`persia.wire.codec`.
 from __future__ import annotations
 
 import operator
-import os
 from itertools import repeat
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from persia import env
 from persia.errors import PersiaValidationError
 from persia.wire import codec
 
@@ -79,11 +79,13 @@ class PersiaDataTypeError(PersiaDataError, TypeError):
 
 
 def skip_check_data() -> bool:
-    """``PERSIA_SKIP_CHECK_DATA=1`` skips per-element dtype/ndim checks, as in PERSIA.
+    """``PERSIA_SKIP_CHECK_DATA=1`` skips the checks of each feature's data (dtype, ndim, finite
+    values), as in PERSIA (``persia.env.skip_check_data``: the same answer as
+    ``persia.env.PERSIA_SKIP_CHECK_DATA``).
 
     Read at every construction (not at import) so a test or a launcher can flip it.
     """
-    return os.environ.get("PERSIA_SKIP_CHECK_DATA", "0").strip().lower() in ("1", "true", "yes")
+    return env.skip_check_data()
 
 
 def _type_name(x: Any) -> str:
@@ -374,6 +376,33 @@ class NdarrayDataBase:
         self.data = data
         if not skip_check_data():
             self.validate()
+            self.check_finite()
+
+    def check_finite(self) -> None:
+        """Refuse NaN and infinities in a float array, naming the first sample (row) holding one.
+        Run where the data is built (a data loader's ``NonIDTypeFeature``/``Label``), unless
+        ``PERSIA_SKIP_CHECK_DATA`` is on; not for batches decoded off the wire (their sender
+        checked, or chose not to)."""
+        data = self.data
+        if data.dtype.kind != "f" or data.size == 0:
+            return
+        with np.errstate(over="ignore", invalid="ignore"):
+            total = np.add.reduce(data, axis=None)  # one pass, no copy: finite unless some value is not
+        if np.isfinite(total):
+            return
+        bad_rows = ~np.isfinite(data).reshape(data.shape[0], -1).all(axis=1)
+        if not bad_rows.any():  # the sum overflowed; every value is finite
+            return
+        rows = np.flatnonzero(bad_rows)
+        row = int(rows[0])
+        values = data[row].reshape(-1)
+        value = values[~np.isfinite(values)][0]
+        more = f" ({rows.size} samples hold one)" if rows.size > 1 else ""
+        raise PersiaDataError(
+            f"{type(self).__name__} {self.name!r}: sample {row} holds {float(value)} (NaN and infinities "
+            f"are not allowed in float data){more}; clean or impute the data, or set "
+            f"PERSIA_SKIP_CHECK_DATA=1 to skip the data checks"
+        )
 
     def validate(self) -> None:
         """Check dtype and ndim (always run for batches decoded off the wire)."""

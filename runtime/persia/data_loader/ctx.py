@@ -12,6 +12,7 @@ import nats.errors
 
 from persia import env
 from persia.bus import NatsBus, shared_bus, subject
+from persia.config import UnknownSlotError
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.grouping import (HeldBatch, SendGroups, data_group_setting, fits_group, hold_setting,
@@ -104,9 +105,16 @@ class DataCtx(BaseCtx):
         ew = self.bus.request_retry(subject("ew", "info"), None, deadline_s=discovery_deadline_s, timeout=2.0,
                                     what="waiting for embedding workers")
         self.num_embedding_workers = int(ew["replica_size"])
+        # the embedding config's slot names (None from a worker that does not say: not checked here)
+        slots = ew.get("slots")
+        self._slots: list[str] | None = [str(s) for s in slots] if isinstance(slots, list) else None
+        self._slot_set = frozenset(self._slots) if self._slots is not None else None
         nn = self.bus.request_retry(subject("nn", "info"), None, deadline_s=discovery_deadline_s, timeout=2.0,
                                     what="waiting for NN workers")
         self.world_size = int(nn["world_size"])
+        if self.world_size < 1:  # batch ids go to rank batch_id % world_size
+            raise PersiaError(f"data loader {self.replica_index}: the NN workers report world_size "
+                              f"{self.world_size} (their WORLD_SIZE); it must be >= 1")
         self.skipped = 0
         self._stream = loader_stream.current()
         if self._stream.ended:
@@ -149,6 +157,10 @@ class DataCtx(BaseCtx):
             raise TypeError(f"send_data expects a PersiaBatch, got {type(persia_batch).__name__}")
         if persia_batch.batch_id is not None:
             raise PersiaError(f"this PersiaBatch was already sent (batch_id {persia_batch.batch_id})")
+        if self._slot_set is not None:  # the embedding worker would refuse it, later and elsewhere
+            for feature in persia_batch.id_type_features:
+                if feature.name not in self._slot_set:
+                    raise UnknownSlotError(feature.name, self._slots)
         with self._sending:
             self._raise_late()  # before this batch takes an id: it was not sent, and may be again
         # The id is spent even if a leg fails below: a retried batch gets a new one, so nobody ever

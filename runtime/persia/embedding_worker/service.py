@@ -164,8 +164,11 @@ class EmbeddingWorker:
     # -- NATS -------------------------------------------------------------------------------------
     def _register_nats(self, bus: NatsBus) -> None:
         me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
+        # the slot names too: a data loader refuses a batch with another ID feature when it is sent
+        # (DataCtx.send_data), not later from whichever send or thread reaches this worker with it
+        info = {**me, "slots": list(self.slots)}
         bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False, schema=M.NoPayload)
-        bus.serve(subject("ew", "info"), lambda _o: me, queue="ew", blocking=False, schema=M.NoPayload)
+        bus.serve(subject("ew", "info"), lambda _o: info, queue="ew", blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False, schema=M.Forward)
         bus.serve(subject("ew", "forward_group", self.replica_index), self.on_forward_group, blocking=False,
                   schema=M.ForwardGroup)

@@ -63,22 +63,35 @@ def settings_from(config=None, env: Mapping[str, str] | None = None, **overrides
     (``PERSIA_CHECKPOINT_INTERVAL_STEPS=`` turns the config's interval off)."""
     env = os.environ if env is None else env
     values = {}
+    source: dict[str, str] = {}  # where each key's value came from, for the errors below
     if config is not None:
         for key in CheckpointSettings.model_fields:
             values[key] = getattr(config, key)
+            source[key] = f"checkpointing_config.{key}"
     for name, key, kind in ((ENV_DIR, "checkpoint_dir", str), (ENV_STEPS, "interval_steps", int),
                             (ENV_SECONDS, "interval_seconds", float), (ENV_KEEP, "keep", int),
                             (ENV_RESUME, "resume", str)):
         if name not in env:
             continue
         raw = env[name].strip()
+        source[key] = f"env {name}={env[name]!r}"
         if kind is str:
             values[key] = raw or (None if key == "checkpoint_dir" else "auto")
         elif not raw:
             values[key] = None if key != "keep" else 3
         else:
             values[key] = _positive(name, raw, kind)
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = value
+            source[key] = "the TrainCtx argument"
+    intervals = [k for k in ("interval_steps", "interval_seconds") if values.get(k) is not None]
+    if intervals and values.get("checkpoint_dir") is None:
+        said = " and ".join(f"{k}={values[k]!r} (from {source.get(k, 'the arguments')})" for k in intervals)
+        where = f" ({source['checkpoint_dir']})" if "checkpoint_dir" in source else ""
+        raise ValueError(
+            f"{said} asks for periodic checkpoints, but checkpoint_dir is unset{where}: set checkpoint_dir "
+            f"(checkpointing_config, env {ENV_DIR} or TrainCtx(checkpoint_dir=...)), or unset the interval")
     for key in ("interval_steps", "keep"):
         if values.get(key) is not None and (isinstance(values[key], bool) or int(values[key]) <= 0):
             raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -11,11 +12,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
+
 from persia.bus import BUSY, WOULD_BLOCK, subject
 from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.resume import loader_count_error
 from persia import messages as M
-from persia.errors import DataLoaderFailed, PersiaError
+from persia.errors import DataLoaderFailed, PersiaError, PersiaValidationError
 from persia.nn_worker.accounting import ACCOUNT
 from persia.recent_keys import RecentKeys
 
@@ -59,9 +62,13 @@ def _resolve(fut: asyncio.Future) -> None:
 
 class IterableDatasetBase:
     def __init__(self, buffer_size: int = 10):
+        if isinstance(buffer_size, (bool, np.bool_)) or not isinstance(buffer_size, numbers.Integral):
+            raise PersiaValidationError(
+                f"{type(self).__name__}: buffer_size must be an integer >= 1, got {type(buffer_size).__name__} "
+                f"{buffer_size!r:.80}")
         if buffer_size < 1:
-            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
-        self.buffer_size = buffer_size
+            raise PersiaValidationError(f"{type(self).__name__}: buffer_size must be >= 1, got {buffer_size}")
+        self.buffer_size = int(buffer_size)
 
 
 @dataclass

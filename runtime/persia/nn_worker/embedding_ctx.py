@@ -76,6 +76,8 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         self.rank = env.get_rank() or 0
         ws = env.get_world_size()
         self.world_size = ws if ws is not None else 1
+        # before anything starts: a data loader would divide by this world size, in its own process
+        env.check_replica(self.rank, self.world_size, "NN worker (env RANK, WORLD_SIZE)")
         self._workers: list[Client] | None = None
         self._rr = 0
         self._rr_lock = threading.Lock()

@@ -16,14 +16,18 @@ so at most ``embedding_staleness`` batches per NN worker are looked up but not y
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
+import numpy as np
+
 from persia.context import cnt_ctx, ctx_stack
-from persia.errors import BatchLost, ContextRequired
+from persia.errors import BatchLost, ContextRequired, PersiaValidationError
 from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
@@ -35,6 +39,38 @@ from persia.nn_worker.training_batch import PersiaTrainingBatch
 log = logging.getLogger(__name__)
 
 _END = object()
+
+
+def _int_at_least(name: str, value: Any, low: int, also: str = "") -> int:
+    """``value`` as an int >= ``low``: an int (a numpy integer too), not a bool or a float; the
+    error names the argument and the value."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise PersiaValidationError(
+            f"DataLoader: {name} must be an integer >= {low}{also}, got {type(value).__name__} {value!r:.80}")
+    if value < low:
+        raise PersiaValidationError(f"DataLoader: {name} must be >= {low}{also}, got {value}")
+    return int(value)
+
+
+#: The longest ``timeout_ms``: what a wait takes (``threading.TIMEOUT_MAX``, about 292 years on
+#: Linux), less a minute of slack for the waits that add a few seconds to it (``_next_item``).
+MAX_TIMEOUT_MS = (threading.TIMEOUT_MAX - 60) * 1000.0
+
+
+def timeout_setting(timeout_ms: Any) -> float:
+    """``timeout_ms`` as seconds: a finite number of milliseconds above 0 and at most
+    ``MAX_TIMEOUT_MS``. A NaN wait never ends and a huge one overflows the clock later, in another
+    thread: both are refused here, naming ``timeout_ms`` and the value."""
+    limit_ms = MAX_TIMEOUT_MS
+    if isinstance(timeout_ms, (bool, np.bool_)) or not isinstance(timeout_ms, numbers.Real):
+        raise PersiaValidationError(
+            f"DataLoader: timeout_ms must be a number of milliseconds, got {type(timeout_ms).__name__} "
+            f"{timeout_ms!r:.80}")
+    if not (math.isfinite(timeout_ms) and 0 < timeout_ms <= limit_ms):
+        raise PersiaValidationError(
+            f"DataLoader: timeout_ms must be a finite number of milliseconds > 0 and <= {limit_ms:.6g}, "
+            f"got {timeout_ms!r}")
+    return float(timeout_ms) / 1000.0
 
 
 class DataLoader:
@@ -59,19 +95,22 @@ class DataLoader:
         embedding_staleness: int | None = None,
         staleness_warmup_steps: int | None = None,
     ):
-        if forward_buffer_size < 1:
-            raise ValueError(f"forward_buffer_size must be >= 1, got {forward_buffer_size}")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-        if embedding_staleness is not None and embedding_staleness < 1:
-            raise ValueError(f"embedding_staleness must be >= 1 or None, got {embedding_staleness}")
-        if timeout_ms <= 0:
-            raise ValueError(f"timeout_ms must be positive, got {timeout_ms}")
+        if not isinstance(dataset, IterableDatasetBase):
+            raise PersiaValidationError(
+                f"DataLoader: dataset must be a persia.data.IterableDatasetBase (a StreamingDataset, or an "
+                f"IterableDataset subclass), got {type(dataset).__name__} {dataset!r:.80}")
+        forward_buffer_size = _int_at_least("forward_buffer_size", forward_buffer_size, 1)
+        num_workers = _int_at_least("num_workers", num_workers, 1)
+        if embedding_staleness is not None:
+            embedding_staleness = _int_at_least("embedding_staleness", embedding_staleness, 1, " or None")
+        if not isinstance(reproducible, (bool, np.bool_)):
+            raise PersiaValidationError(
+                f"DataLoader: reproducible must be a bool, got {type(reproducible).__name__} {reproducible!r:.80}")
         self.dataset = dataset
         self.forward_buffer_size = forward_buffer_size
-        self.timeout_s = timeout_ms / 1000.0
+        self.timeout_s = timeout_setting(timeout_ms)
         self.num_workers = num_workers
-        self.reproducible = reproducible
+        self.reproducible = bool(reproducible)
         self.embedding_staleness = embedding_staleness
         # None: the context decides (no ramp when it replays its own updates)
         self.staleness_warmup_steps = warmup_steps_setting(staleness_warmup_steps, default=None)
