@@ -28,27 +28,34 @@ pytestmark = pytest.mark.integration
 LEGS = ("forward", "forward_group", "batch", "batch_group")
 
 
-def noting_arrivals(monkeypatch) -> set:
-    """Every (subject method, batch ids) that reaches a role's handler on the four data subjects,
-    noted as the bus hands it over (a retried message is the same entry)."""
-    arrived: set = set()
+def on_arrival(monkeypatch, methods, note) -> None:
+    """``note(method, message)`` for every message that reaches a role's handler on the data
+    subjects ``methods`` (e.g. "batch_group"), as the bus hands it over."""
     serve = NatsBus.serve
 
     def noting(self, subj, handler, **kwargs):
         method = subj.split(".")[3]
-        if method in LEGS:
-            def note(fn):
+        if method in methods:
+            def wrap(fn):
                 def run(obj):
-                    arrived.add((method, tuple(int(b["batch_id"]) for b in obj.get("batches", [obj]))))
+                    note(method, obj)
                     return fn(obj)
                 return run
 
-            handler = note(handler)
+            handler = wrap(handler)
             if kwargs.get("try_first") is not None:
-                kwargs["try_first"] = note(kwargs["try_first"])
+                kwargs["try_first"] = wrap(kwargs["try_first"])
         return serve(self, subj, handler, **kwargs)
 
     monkeypatch.setattr(NatsBus, "serve", noting)
+
+
+def noting_arrivals(monkeypatch) -> set:
+    """Every (subject method, batch ids) that reaches a role's handler on the four data subjects,
+    noted as the bus hands it over (a retried message is the same entry)."""
+    arrived: set = set()
+    on_arrival(monkeypatch, LEGS, lambda method, obj: arrived.add(
+        (method, tuple(int(b["batch_id"]) for b in obj.get("batches", [obj])))))
     return arrived
 
 
@@ -336,23 +343,13 @@ def test_a_loader_that_refills_one_buffer_sends_each_batch_as_it_was(persia_env,
                                       labels=[Label(label, name="y")], requires_grad=True))
 
     got: dict[int, tuple[float, float]] = {}
-    serve = NatsBus.serve
 
-    def keeping(self, subj, handler, **kwargs):  # what the NN rank receives, as it receives it
-        if subj.split(".")[3] in ("batch", "batch_group"):
-            def note(fn):
-                def run(obj):
-                    for b in obj.get("batches", [obj]):
-                        got[int(b["batch_id"])] = (float(np.asarray(b["non_id"][0]["data"]).max()),
-                                                   float(np.asarray(b["labels"][0]["data"]).max()))
-                    return fn(obj)
-                return run
-            handler = note(handler)
-            if kwargs.get("try_first") is not None:
-                kwargs["try_first"] = note(kwargs["try_first"])
-        return serve(self, subj, handler, **kwargs)
+    def keep(_method, obj):  # what the NN rank receives, as it receives it
+        for b in obj.get("batches", [obj]):
+            got[int(b["batch_id"])] = (float(np.asarray(b["non_id"][0]["data"]).max()),
+                                       float(np.asarray(b["labels"][0]["data"]).max()))
 
-    monkeypatch.setattr(NatsBus, "serve", keeping)
+    on_arrival(monkeypatch, ("batch", "batch_group"), keep)
     seen, errors, _ = train_grouped(monkeypatch, [make_batch(i) for i in range(5)], send=refilling)
     assert errors == [] and seen == [0, 1, 2, 3, 4]
     assert got == {i: (float(i), float(i % 2)) for i in range(5)}, got
