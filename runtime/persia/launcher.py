@@ -143,42 +143,71 @@ def run_nn_worker(args) -> int:
                               for i in range(args.nproc_per_node)])
 
 
+def first_failure(exits: list[tuple[int, int]]) -> tuple[int, int] | None:
+    """Pure: the first failed child, in the order they exited (``exits``: (index, returncode)
+    pairs as they happened). A rank SIGKILLed first and a peer that then exited 1 on the broken
+    connection must report the SIGKILL (a restart), not the peer's error (a failed job)."""
+    return next(((i, c) for i, c in exits if c != 0), None)
+
+
 def _supervise(procs: list[subprocess.Popen], names: list[str] | None = None) -> int:
-    """Wait for every child; when one fails, stop the rest and exit as it did: a child killed by
-    signal N gives 128 + N (a shell's convention), so whoever supervises us can tell a killed
-    process from a program error."""
+    """Wait for every child; when one fails, stop the rest and exit as the first to fail did: a
+    child killed by signal N gives 128 + N (a shell's convention), so whoever supervises us can
+    tell a killed process from a program error. SIGTERM/SIGINT are forwarded to the children;
+    any still running at the grace period after that is SIGKILLed (a rank stuck in C code, in a
+    gloo wait, never acts on a signal), and we exit 128 + the signal."""
     from persia.supervisor import describe_exit
 
     names = names or [f"process {p.pid}" for p in procs]
     done = threading.Event()
-    codes: dict[int, int] = {}
+    exits: list[tuple[int, int]] = []  # in the order the children exited (list.append is atomic)
 
     def waiter(i, p):
-        codes[i] = p.wait()
+        code = p.wait()
+        exits.append((i, code))
         done.set()
 
     for i, p in enumerate(procs):
         threading.Thread(target=waiter, args=(i, p), daemon=True).start()
 
+    forwarded: list[int] = []  # the handler takes no lock: it appends, the loop below polls
+
     def forward(signum, _frame):
+        forwarded.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    while len(codes) < len(procs):
-        done.wait()
+    kill_at = None
+    while len(exits) < len(procs):
+        done.wait(0.1)  # bounded: the signal handler takes no lock, so it cannot wake this wait
         done.clear()
-        failed = [(i, c) for i, c in sorted(codes.items()) if c != 0]
+        if forwarded:
+            if kill_at is None:
+                kill_at = time.monotonic() + grace_period_s()
+            if time.monotonic() >= kill_at:
+                for i, p in enumerate(procs):
+                    if p.poll() is None:
+                        print(f"persia-launcher: {names[i]} still running {grace_period_s():g}s after "
+                              f"{signal.Signals(forwarded[0]).name}: killing it", file=sys.stderr, flush=True)
+                        p.kill()
+                for p in procs:
+                    p.wait()
+                break
+            continue
+        failed = first_failure(list(exits))
         if failed:
-            i, code = failed[0]
+            i, code = failed
             print(f"persia-launcher: {names[i]} {describe_exit(code)}; stopping the others", file=sys.stderr,
                   flush=True)
             # SIGTERM, then SIGKILL at the grace period: a process stuck on its way out (an NN rank
             # whose peer died mid-teardown) must not keep the failure from reaching our supervisor
             stop_in_order([procs], grace_period_s())
             return 128 - code if code < 0 else code
+    if forwarded:  # told to stop: exit as a stopped process, whatever the children made of it
+        return 128 + forwarded[0]
     return 0
 
 

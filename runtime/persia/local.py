@@ -182,6 +182,9 @@ def plan(args, python: str = sys.executable, base_env: dict[str, str] | None = N
         PYTHONUNBUFFERED="1",
         PERSIA_EXIT_WITH_PARENT="1",  # servers also poll for the launcher (persia.launcher)
     )
+    grace = getattr(args, "grace_period", None)
+    if grace is not None:  # --grace-period: the NN rank's SIGTERM watchdog, the nn launcher's own stop
+        common["PERSIA_GRACE_PERIOD_SECONDS"] = f"{grace:g}"
     if args.global_config:
         common["PERSIA_GLOBAL_CONFIG"] = os.path.abspath(args.global_config)
     for kv in args.env:
@@ -265,21 +268,37 @@ class _Output:
     def __init__(self):
         self.lock = threading.Lock()
         self.results: list[dict] = []
+        self.write_errors = 0  # lines our stdout refused (a closed pipe): the roles' output still drains
 
     def line(self, prefix: str, text: str) -> None:
         if text.startswith(RESULT_PREFIX):
             try:
                 self.results.append(json.loads(text[len(RESULT_PREFIX):]))
-            except json.JSONDecodeError:
-                pass
+            except json.JSONDecodeError as exc:
+                self._write("local", f"WARNING: {prefix} printed a {RESULT_PREFIX.strip()} line that does not "
+                                     f"parse ({exc}); its result is lost: {text[:200]!r}")
+        self._write(prefix, text)
+
+    def _write(self, prefix: str, text: str) -> None:
         with self.lock:
-            sys.stdout.write(f"[{prefix}] {text}\n")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(f"[{prefix}] {text}\n")
+                sys.stdout.flush()
+            except (OSError, ValueError):  # BrokenPipeError, a closed stdout: keep going without it
+                self.write_errors += 1
 
 
 def _pump(proc: subprocess.Popen, prefix: str, out: _Output) -> None:
+    """Every line of ``proc``'s output to ``out``, to its end: whatever becomes of our own stdout,
+    the pipe keeps draining, or the role would block on a full pipe."""
     for raw in iter(proc.stdout.readline, b""):
-        out.line(prefix, raw.decode(errors="replace").rstrip("\n"))
+        try:
+            out.line(prefix, raw.decode(errors="replace").rstrip("\n"))
+        except Exception:  # noqa: BLE001 - never stop draining
+            pass
+
+
+LOADER_WAIT_S = 30.0  # how long data loaders get to finish once the trainer has
 
 
 class LocalJob:
@@ -301,7 +320,9 @@ class LocalJob:
         self.events: queue.Queue = queue.Queue()
         self.generation = 0
         self.restarts = 0
+        self.nats_restarts = 0  # counted apart from the job's, against the same --max-restarts
         self.signals: list[int] = []
+        self.pumps: dict[str, threading.Thread] = {}
 
     # -- processes --------------------------------------------------------------------------------
     def start_roles(self) -> None:
@@ -312,7 +333,9 @@ class LocalJob:
             p = spawn(role.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self.procs[role.name] = p
             self.out.line("local", f"started {role.name} (pid {p.pid})")
-            threading.Thread(target=_pump, args=(p, role.name, self.out), daemon=True).start()
+            pump = threading.Thread(target=_pump, args=(p, role.name, self.out), daemon=True)
+            pump.start()
+            self.pumps[role.name] = pump
             threading.Thread(target=lambda p=p, n=role.name: self.events.put(("exit", gen, n, p.wait())),
                              daemon=True).start()
 
@@ -325,7 +348,24 @@ class LocalJob:
     def stop_roles(self, grace_s: float) -> None:
         """Trainers and loaders first (they flush updates and checkpoint through the servers)."""
         by_kind = lambda *kinds: [p for n, p in self.procs.items() if self.kinds[n] in kinds]  # noqa: E731
-        stop_in_order([by_kind("dl", "nn"), by_kind("ew"), by_kind("ps")], grace_s)
+        # roles lead process groups of their own (persia.procs.spawn): a SIGKILL takes the nn
+        # launcher's ranks with it
+        stop_in_order([by_kind("dl", "nn"), by_kind("ew"), by_kind("ps")], grace_s, kill_groups=True)
+
+    def join_pumps(self, names=None, timeout_s: float = 5.0) -> None:
+        """Wait (bounded: a grandchild may hold the pipe open) until the roles' output is delivered."""
+        end = time.monotonic() + timeout_s
+        for name in (self.pumps if names is None else names):
+            pump = self.pumps.get(name)
+            if pump is not None:
+                pump.join(max(0.0, end - time.monotonic()))
+
+    def _stop_for_signal(self) -> list[str]:
+        signum = self.signals[0]
+        self.out.line("local", f"{signal.Signals(signum).name}: stopping every role")
+        # Ctrl-C means now; SIGTERM (a supervisor's stop) gives roles their grace period.
+        self.stop_roles(min(2.0, self.grace_s) if signum == signal.SIGINT else self.grace_s)
+        return ["interrupted" if signum == signal.SIGINT else "terminated"]
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[str]:
@@ -334,11 +374,7 @@ class LocalJob:
         self.watch_nats()
         while True:
             if self.signals:  # appended by the signal handler, which takes no lock
-                signum = self.signals[0]
-                self.out.line("local", f"{signal.Signals(signum).name}: stopping every role")
-                # Ctrl-C means now; SIGTERM (a supervisor's stop) gives roles their grace period.
-                self.stop_roles(min(2.0, self.grace_s) if signum == signal.SIGINT else self.grace_s)
-                return ["interrupted" if signum == signal.SIGINT else "terminated"]
+                return self._stop_for_signal()
             try:
                 event = self.events.get(timeout=0.1)
             except queue.Empty:
@@ -352,6 +388,7 @@ class LocalJob:
             _, gen, name, code = event
             if gen != self.generation:
                 continue
+            self.join_pumps([name])  # its last lines (a PERSIA_RESULT) before acting on its exit
             decision = decide(name, self.kinds[name], code, restarts=self.restarts, max_restarts=self.max_restarts)
             if decision.action is Action.CONTINUE:
                 continue
@@ -361,11 +398,20 @@ class LocalJob:
             self.stop_roles(self.grace_s)
             if decision.action is Action.FAIL:
                 return [decision.reason]
+            if self.signals:  # stopped while the roles were stopping: no new incarnation
+                return self._stop_for_signal()
             self.restarts += 1
             self.start_roles()
 
     def _on_nats_exit(self, code: int) -> str | None:
-        self.out.line("local", f"nats-server {describe_exit(code)}; restarting it on {self.nats.url}")
+        last = getattr(self.nats, "last_output", lambda: "")()
+        said = f"; its last output:\n{last}" if last else ""
+        if self.nats_restarts >= self.max_restarts:
+            return (f"nats-server {describe_exit(code)}; no restarts left ({self.nats_restarts} of --max-restarts "
+                    f"{self.max_restarts} used on nats-server){said}")
+        self.nats_restarts += 1
+        self.out.line("local", f"nats-server {describe_exit(code)}; restarting it on {self.nats.url} "
+                               f"({self.nats_restarts}/{self.max_restarts}){said}")
         try:
             self.nats.restart()
         except Exception as exc:  # noqa: BLE001 - any failure to restart ends the job, clearly
@@ -376,11 +422,14 @@ class LocalJob:
 
     def _finish_loaders(self) -> list[str]:
         loaders = [n for n, k in self.kinds.items() if k == "dl"]
-        end = time.monotonic() + 30
+        self.out.line("local", f"training finished; waiting up to {LOADER_WAIT_S:g}s for the data loaders")
+        end = time.monotonic() + LOADER_WAIT_S
+        while any(self.procs[n].poll() is None for n in loaders) and time.monotonic() < end:
+            if self.signals:  # Ctrl-C / SIGTERM while waiting: stopped, not done
+                return self._stop_for_signal()
+            time.sleep(0.05)  # polling: the signal handler takes no lock we could wait on
         for n in loaders:
-            try:
-                self.procs[n].wait(max(0.0, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if self.procs[n].poll() is None:
                 self.out.line("local", f"{n} still running after training finished: stopping it")
         return [f"{n} {describe_exit(self.procs[n].returncode)}" for n in loaders
                 if self.procs[n].poll() not in (None, 0)]
@@ -444,6 +493,7 @@ def _run_job(args, roles: list[RoleProcess], out: "_Output") -> int:
     finally:
         progress.stop()
         job.stop_roles(0.0 if interrupts else args.grace_period)
+        job.join_pumps()  # every role's last lines (its PERSIA_RESULT) before the final line
         if nats is not None:
             nats.stop()
         signal.signal(signal.SIGINT, old_int)

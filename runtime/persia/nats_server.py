@@ -17,7 +17,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from pathlib import Path
 
 MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
@@ -89,6 +91,8 @@ class NatsServer:
         self.password = secrets.token_hex(24) if auth else None
         self._proc: subprocess.Popen | None = None
         self._log_file = log_file
+        self._tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)  # the server's last lines (no log_file)
+        self._drain: threading.Thread | None = None
         self.extra_config = extra_config  # e.g. tls { ... } or nkey users (tests)
 
     def config_text(self) -> str:
@@ -106,7 +110,7 @@ class NatsServer:
             shutil.rmtree(workdir, ignore_errors=True)
 
     def _start_in(self, workdir: Path, deadline_s: float) -> str:
-        out = self._log_file if self._log_file is not None else subprocess.DEVNULL
+        out = self._log_file if self._log_file is not None else subprocess.PIPE
         from persia.procs import spawn
 
         # SIGKILL when we die: nothing of a job must outlive its launcher.
@@ -116,11 +120,18 @@ class NatsServer:
             stdout=out, stderr=subprocess.STDOUT, parent_death_signal=signal.SIGKILL,
             env=server_environ(dict(os.environ), self.go_max_procs),
         )
+        if self._log_file is None:  # keep its last lines for the error that says why it stopped
+            self._tail = deque(maxlen=OUTPUT_TAIL_LINES)
+            self._drain = threading.Thread(target=_drain, args=(self._proc.stdout, self._tail), daemon=True,
+                                           name="nats-server-output")
+            self._drain.start()
         ports_file = workdir / f"nats-server_{self._proc.pid}.ports"
         end = time.monotonic() + deadline_s
         while time.monotonic() < end:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited with code {self._proc.returncode} at start")
+                last = self.last_output()
+                said = f"; its last output:\n{last}" if last else ""
+                raise RuntimeError(f"nats-server exited with code {self._proc.returncode} at start{said}")
             if ports_file.exists():
                 try:
                     self.url = json.loads(ports_file.read_text())["nats"][0]
@@ -131,6 +142,13 @@ class NatsServer:
             time.sleep(0.02)
         self.stop()
         raise TimeoutError(f"nats-server did not report its port within {deadline_s}s")
+
+    def last_output(self, wait_s: float = 2.0) -> str:
+        """The server's last lines of output (empty with a ``log_file``); once it has exited, waits
+        (at most ``wait_s``) for them to be read."""
+        if self._drain is not None and self._proc is not None and self._proc.poll() is not None:
+            self._drain.join(wait_s)
+        return "\n".join(self._tail)
 
     def client_env(self) -> dict[str, str]:
         """What a client needs besides the URL (``PERSIA_NATS_USER``/``PASSWORD``)."""
@@ -164,6 +182,20 @@ class NatsServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+OUTPUT_TAIL_LINES = 20
+
+
+def _drain(stream, tail: deque) -> None:
+    """Read the server's output to its end (a full pipe would stall it), keeping the last lines."""
+    try:
+        for raw in iter(stream.readline, b""):
+            tail.append(raw.decode(errors="replace").rstrip("\n"))
+    except (OSError, ValueError):
+        pass
+    finally:
+        stream.close()
 
 
 def _main() -> None:  # pragma: no cover - manual helper

@@ -39,10 +39,12 @@ def spawn(argv: list[str], *, env: dict[str, str] | None = None, parent_death_si
     )
 
 
-def stop_in_order(groups: list[list[subprocess.Popen]], grace_s: float) -> None:
+def stop_in_order(groups: list[list[subprocess.Popen]], grace_s: float, *, kill_groups: bool = False) -> None:
     """SIGTERM each group in turn and wait for it (within one shared grace period), then SIGKILL
     whatever is left. Earlier groups are the ones that still need the later ones to shut down
-    cleanly (a trainer flushing updates needs its servers)."""
+    cleanly (a trainer flushing updates needs its servers). ``kill_groups``: the processes were
+    started in sessions of their own (:func:`spawn`'s default), and the SIGKILL goes to each one's
+    whole process group, so that what it started (the nn launcher's ranks) dies with it."""
     end = time.monotonic() + grace_s
     for group in groups:
         for p in group:
@@ -56,5 +58,16 @@ def stop_in_order(groups: list[list[subprocess.Popen]], grace_s: float) -> None:
     for group in groups:
         for p in group:
             if p.poll() is None:
+                if kill_groups:
+                    _kill_group(p)
                 p.kill()
                 p.wait()
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL ``p``'s process group when ``p`` leads one (it was started with a session of its own)."""
+    try:
+        if os.getpgid(p.pid) == p.pid:
+            os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -170,5 +170,7 @@ def report_result(**metrics: Any) -> None:
     with what the roles in this process add (the NN worker: its batch accounting)."""
     for extra in RESULT_EXTRAS:
         metrics = {**extra(), **metrics}
-    print(RESULT_PREFIX + json.dumps(metrics, sort_keys=True), flush=True)
+    # one write for the line and its newline: under unbuffered IO print() makes two, and the ranks
+    # that share one pipe could put another line between them (the launcher could not parse it)
+    sys.stdout.write(RESULT_PREFIX + json.dumps(metrics, sort_keys=True) + "\n")
     sys.stdout.flush()

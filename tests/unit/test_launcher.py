@@ -103,3 +103,51 @@ def test_the_grace_period_flag_takes_seconds():
     from persia.launcher import build_parser
 
     assert build_parser().parse_args(["local", *_LOCAL_REQUIRED, "--grace-period", "2.5"]).grace_period == 2.5
+
+
+
+FORWARDED = r"""
+import os, signal, subprocess, sys, threading, time
+from persia.launcher import _supervise
+stubborn = subprocess.Popen([sys.executable, "-c",
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(120)"],
+    stdout=subprocess.PIPE, text=True)
+stubborn.stdout.readline()  # its SIGTERM is ignored from here on (a rank stuck in C code, a gloo wait)
+
+def terminate_once_supervised():  # a real SIGTERM, once _supervise's handler is in place
+    end = time.monotonic() + 20
+    while signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and time.monotonic() < end:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=terminate_once_supervised, daemon=True).start()
+t0 = time.monotonic()
+code = _supervise([stubborn], ["rank 0"])
+print(code, stubborn.returncode, round(time.monotonic() - t0, 1))
+"""
+
+
+def test_a_forwarded_sigterm_kills_a_rank_that_ignores_it_at_the_grace_period():
+    """SIGTERM to the nn launcher is forwarded to its ranks; one that never acts on it is SIGKILLed
+    at the grace period and the launcher exits 143 (before: it waited for the rank for ever)."""
+    env = dict(os.environ, PERSIA_GRACE_PERIOD_SECONDS="1")
+    proc = subprocess.run([sys.executable, "-c", FORWARDED], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    code, stubborn, seconds = proc.stdout.split()
+    assert (int(code), int(stubborn)) == (143, -9)
+    assert float(seconds) < 20, seconds
+    assert "rank 0 still running 1s after SIGTERM: killing it" in proc.stderr
+
+
+@pytest.mark.parametrize("exits, first", [
+    ([], None),
+    ([(0, 0), (1, 0)], None),
+    ([(1, -9), (0, 1)], (1, -9)),  # rank 1 SIGKILLed, then rank 0 fails on the broken connection
+    ([(0, 0), (1, 3)], (1, 3)),
+    ([(0, 1), (1, -9)], (0, 1)),
+])
+def test_the_first_child_to_fail_is_the_one_reported(exits, first):
+    from persia.launcher import first_failure
+
+    assert first_failure(exits) == first
+

@@ -88,3 +88,10 @@ def test_nn_threads_argument_takes_a_count_or_auto():
                      ("auto:0", ">= 1, got 'auto:0'")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             _nn_threads_arg(bad)
+
+
+def test_the_grace_period_flag_reaches_every_role(tmp_path):
+    """--grace-period sets PERSIA_GRACE_PERIOD_SECONDS for the roles: the NN rank's SIGTERM
+    watchdog and the nn launcher's stop of its ranks use it, not their default 30 s."""
+    roles = plan(args(tmp_path, grace_period=2.5), python="py", base_env={"PERSIA_GRACE_PERIOD_SECONDS": "30"})
+    assert {r.env["PERSIA_GRACE_PERIOD_SECONDS"] for r in roles} == {"2.5"}
