@@ -66,6 +66,16 @@ time.sleep(120)
 """
 
 
+def _run_stopped(job) -> list:
+    """``job.run()`` with SIGTERM wired to the job as local mode wires it; every role stopped after."""
+    restore = _on_sigterm(job)
+    try:
+        return job.run()
+    finally:
+        job.stop_roles(0)
+        restore()
+
+
 def test_the_sigkill_at_the_grace_period_takes_the_roles_process_group():
     """A role (the nn launcher) and what it started (its ranks) ignore SIGTERM: at the grace period
     the whole process group is SIGKILLed, not only the role, so no rank outlives the job."""
@@ -106,13 +116,7 @@ while not pathlib.Path({str(marker)!r}).exists() and time.monotonic() < end:
 os.kill(os.getpid(), signal.SIGKILL)
 """)
     job = LocalJob([nn, dl], None, _Lines(), {}, max_restarts=3, grace_s=5)
-    restore = _on_sigterm(job)
-    try:
-        failed = job.run()
-    finally:
-        job.stop_roles(0)
-        restore()
-    assert failed == ["terminated"]
+    assert _run_stopped(job) == ["terminated"]
     assert job.generation == 1 and job.restarts == 0
 
 
@@ -123,7 +127,6 @@ def test_a_sigterm_while_waiting_for_the_loaders_stops_the_job(tmp_path):
     dl = _role("dl-0", "dl", "import time; time.sleep(120)")
     nn = _role("nn", "nn", "pass")
     job = LocalJob([nn, dl], None, out, {}, max_restarts=0, grace_s=2)
-    restore = _on_sigterm(job)
 
     def terminate_when_waiting():
         if out.wait_for("waiting up to"):
@@ -131,12 +134,7 @@ def test_a_sigterm_while_waiting_for_the_loaders_stops_the_job(tmp_path):
 
     threading.Thread(target=terminate_when_waiting, daemon=True).start()
     t0 = time.monotonic()
-    try:
-        failed = job.run()
-    finally:
-        job.stop_roles(0)
-        restore()
-    assert failed == ["terminated"]
+    assert _run_stopped(job) == ["terminated"]
     assert time.monotonic() - t0 < 20
     assert job.procs["dl-0"].returncode is not None
 
