@@ -435,11 +435,23 @@ class LocalJob:
                 if self.procs[n].poll() not in (None, 0)]
 
 
+def check_configs(args) -> None:
+    """Load the job's configs once before any role starts: a mistake in one (a ConfigError
+    naming the file and the key) would otherwise fail every server at its start, and each server
+    exit restarts the whole job, --max-restarts times over, before the job fails."""
+    from persia.config import load_embedding_config, load_global_config
+
+    load_embedding_config(args.embedding_config)
+    if args.global_config is not None:
+        load_global_config(args.global_config)
+
+
 def run_local(args) -> int:
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     try:
         split, placement = cpu_split(allowed, args.nproc_per_node, args.cpu_placement)
         roles = plan(args, base_env=dict(os.environ), split=split)
+        check_configs(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"persia-launcher local: {exc}", file=sys.stderr)
         return 2

@@ -151,3 +151,18 @@ def test_the_first_child_to_fail_is_the_one_reported(exits, first):
 
     assert first_failure(exits) == first
 
+
+
+def test_local_mode_refuses_a_broken_config_before_any_role_starts(tmp_path):
+    """A mistake in embedding_config.yml failed every server at its start, and each exit restarted
+    the whole job: --max-restarts incarnations and as many tracebacks before the job failed."""
+    for name in ("train.py", "loader.py"):
+        (tmp_path / name).write_text("raise SystemExit('must not run')\n")
+    (tmp_path / "emb.yml").write_text("slots_config:\n  user: {dim: -4}\n")
+    proc = subprocess.run([sys.executable, "-m", "persia.launcher", "local", "--nn-worker", str(tmp_path / "train.py"),
+                           "--data-loader", str(tmp_path / "loader.py"), "--embedding-config",
+                           str(tmp_path / "emb.yml")],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": os.environ["PATH"]})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("persia-launcher local: ") and "emb.yml" in proc.stderr and "dim" in proc.stderr
+    assert "nats-server" not in proc.stdout and "restarting" not in proc.stdout  # nothing was started
