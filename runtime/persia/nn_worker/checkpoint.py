@@ -4,7 +4,6 @@ top-level marker says a dump is whole. The dense model and optimizer are saved b
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 import threading
@@ -17,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from persia.bus import subject
+from persia.embedding_ps.checkpoint import write_json_atomic
 from persia.errors import PersiaError, RemoteError
 
 log = logging.getLogger(__name__)
@@ -88,13 +88,12 @@ class EmbeddingCheckpoints:
             failed = next((r for r in results if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise failed
-            marker = json.dumps({
+            write_json_atomic(directory / EMBEDDING_DUMP_DONE, {
                 "format": CHECKPOINT_FORMAT,
                 "num_shards": len(results),
                 "rows": [r["rows"] for r in results],
                 "datetime": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             })
-            write_atomically(directory / EMBEDDING_DUMP_DONE, lambda tmp: tmp.write_text(marker))
 
         self._run_maybe_async(run, blocking, "dump")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -158,8 +159,6 @@ def _handler(server: Any):
 class _Server(ThreadingHTTPServer):
     def handle_error(self, request, client_address) -> None:
         """A client that went away mid-answer is not the server's error (no traceback on stderr)."""
-        import sys
-
         exc = sys.exc_info()[1]
         if isinstance(exc, (ConnectionError, TimeoutError)):
             log.debug("HTTP client %s: %s", client_address, exc)
