@@ -12,23 +12,8 @@ import pytest
 
 from persia.local import LocalJob, RoleProcess, _Output, _pump
 from persia.procs import spawn, stop_in_order
-
-
-def _wait_for(cond, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+from tests.faults.localjob import alive
+from tests.polling import poll_until
 
 
 class _Lines(_Output):
@@ -84,7 +69,7 @@ def test_the_sigkill_at_the_grace_period_takes_the_roles_process_group():
         grandchild = int(leader.stdout.readline())
         stop_in_order([[leader]], 0.5, kill_groups=True)
         assert leader.returncode == -9
-        assert _wait_for(lambda: not _alive(grandchild), 10), "the role's child outlived it"
+        poll_until(lambda: not alive(grandchild), "the role's child dies with it", deadline_s=10)
     finally:
         if leader.poll() is None:
             os.killpg(leader.pid, signal.SIGKILL)
