@@ -19,6 +19,8 @@ from persia.embedding.optim import SGD
 from persia.errors import PersiaError
 from persia.nn_worker.accounting import ACCOUNT
 
+from tests.polling import poll_until
+
 from .cluster import GLOBAL_CONFIG, cluster
 from .old_workers import without_slot_list
 from .test_training_path import Model, make_batch
@@ -257,9 +259,11 @@ def test_a_held_batch_that_fails_after_its_hold_raises_from_the_next_call(persia
     def refused_then_next(ctx, batches, errors, _trained):
         bad, good = batches
         ctx.send_data(bad)  # held, then sent alone by the hold thread, and refused
-        end = time.monotonic() + 20
-        while not ACCOUNT.as_result()["batches_failed"] and time.monotonic() < end:  # the NN rank counted it
-            time.sleep(0.005)
+        # the NN rank counted it, and the hold thread's send has ended (its error is kept by then:
+        # the NN rank may count it before the hold thread has the worker's refusal)
+        poll_until(lambda: ACCOUNT.as_result()["batches_failed"]
+                   and ctx._metrics.get("data_loader_sends_in_flight") == 0,
+                   "the held batch refused and its send ended", deadline_s=20)
         try:
             ctx.send_data(good)
         except Exception as exc:  # noqa: BLE001

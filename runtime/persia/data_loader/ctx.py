@@ -227,20 +227,24 @@ class DataCtx(BaseCtx):
         if groups:
             self._send_in_flight(groups)
 
-    def _send_in_flight(self, groups: list[list[HeldBatch]]) -> None:
+    def _send_in_flight(self, groups: list[list[HeldBatch]], *, late: bool = False) -> None:
         """Send ``groups`` (counted in flight by the caller, under the lock); every one is tried,
-        then the first failure raised."""
+        then the first failure raised, or with ``late`` (the hold thread) kept for the next
+        ``send_data``: kept under the lock that ends the send, so once no send is in flight its
+        error is there to raise."""
+        first = None
         try:
-            first = None
             for group in groups:
                 try:
                     self._send_group(group)
                 except Exception as exc:  # noqa: BLE001 - counted and logged by _send_group
                     first = first or exc
-            if first is not None:
+            if first is not None and not late:
                 raise first
         finally:
             with self._sending:
+                if late and first is not None:
+                    self._late = self._late or first
                 self._in_flight -= 1
                 self._show_sending()
                 if self._in_flight == 0:
@@ -250,11 +254,7 @@ class DataCtx(BaseCtx):
         """The hold thread: sends the groups whose first batch has waited a hold (a loader that
         produces slowly is not held back by its group), until the close."""
         while (due := self._next_overdue()) is not None:
-            try:
-                self._send_in_flight(due)
-            except Exception as exc:  # noqa: BLE001 - counted and logged; raised by the next call
-                with self._sending:
-                    self._late = self._late or exc
+            self._send_in_flight(due, late=True)  # a failure is counted, logged, raised by the next call
 
     def _next_overdue(self) -> list[list[HeldBatch]] | None:
         """Wait for the next groups due (counted in flight), or None at the close.
