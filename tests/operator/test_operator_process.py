@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,11 +20,7 @@ from operator_testkit import REPO, job_body, wait_for
 
 from persia_operator import constants as C
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.ports import free_ports
 
 
 async def test_operator_process_runs_a_job(cluster, tmp_path):
@@ -37,7 +32,8 @@ async def test_operator_process_runs_a_job(cluster, tmp_path):
         "users": [{"name": "tester", "user": {"token": "test-token"}}],
         "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": "ns1"}}],
     }))  # fmt: skip
-    port, metrics_port = free_port(), free_port()
+    port = free_ports(2)
+    metrics_port = port + 1
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAMESPACE": "ns1", "HOSTNAME": "operator-0",
            "PERSIA_OPERATOR_METRICS_PORT": str(metrics_port)}  # fmt: skip
     env.pop("KUBERNETES_SERVICE_HOST", None)

@@ -33,6 +33,7 @@ from persia.serving.predictor import ModelInputError, Predictor
 from persia.serving.request import RequestError, batch_from_bytes, batch_from_json, rows, signature
 
 from tests.polling import poll_until
+from tests.ports import refusing_port
 
 pytestmark = pytest.mark.integration
 
@@ -73,12 +74,6 @@ def metric(server: ModelServer, name: str) -> float:
     text = server.metrics.render().decode()
     m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -396,8 +391,7 @@ def test_a_batch_rerun_request_by_request_uses_one_model_version(monkeypatch):
 # -- failover ----------------------------------------------------------------------------------------
 
 def test_an_unreachable_embedding_worker_is_failed_over(model_file, worker_address):
-    dead = f"127.0.0.1:{free_port()}"
-    with model_server([dead, worker_address], model_file) as server:
+    with refusing_port() as port, model_server([f"127.0.0.1:{port}", worker_address], model_file) as server:
         url = f"http://127.0.0.1:{server.http_port}/v1/predict"
         for _ in range(4):  # round-robin: every other lookup goes to the dead worker first
             status, raw = post(url, json.dumps(body([[1.0, 0.0]])).encode())
