@@ -7,8 +7,9 @@ import time
 from typing import Callable
 
 
-def poll_until(condition: Callable[[], object], what: str, deadline_s: float = 5.0) -> None:
-    """Return once ``condition()`` is true; fail naming ``what`` after ``deadline_s``."""
+def poll_until(condition: Callable[[], object], what: str, deadline_s: float = 30.0) -> None:
+    """Return once ``condition()`` is true; fail naming ``what`` after ``deadline_s`` (generous:
+    it costs a passing test nothing, and a loaded CI machine can stall a process for seconds)."""
     end = time.monotonic() + deadline_s
     while not condition():
         assert time.monotonic() < end, f"not within {deadline_s}s: {what}"

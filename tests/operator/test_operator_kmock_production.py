@@ -140,7 +140,7 @@ async def test_external_nats_with_a_user_secret(cluster, operator, caplog):
 
         await rank0.subscribe("persia.demo.checkpoint.latest", cb=answer)
         await rank0.flush()
-        await wait_for(lambda: cluster.status(NS, NAME).get("phase") == "Running", timeout=15, what="Running")
+        await wait_for(lambda: cluster.status(NS, NAME).get("phase") == "Running", timeout=30, what="Running")
         assert cond(cluster, C.COND_NATS_READY)["reason"] == "ExternalNats"
         await wait_for(lambda: (cluster.status(NS, NAME).get("checkpoint") or {}).get("step") == 700,
                        timeout=15, what="checkpoint in status")  # fmt: skip
