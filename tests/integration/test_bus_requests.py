@@ -6,6 +6,7 @@ path (``try_first``)."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pytest
@@ -32,11 +33,13 @@ def test_a_request_nobody_answers_is_reported_while_it_waits(persia_env, monkeyp
         member.close()
     notes = [r.getMessage() for r in caplog.records if "no successful reply after" in r.getMessage()]
     assert notes, "no log line while waiting"
-    assert notes[0].startswith("waiting for NN workers: no successful reply after 0s (last: NoRespondersError)")
-    assert "still trying, for up to 2s more" in notes[0] or "still trying, for up to 1s more" in notes[0]
+    # the first after 0.3 s, well before the 2 s deadline (printed as 0s, or 1s from 0.5 s on when the
+    # machine is slow); the last attempt found no responder, or (a slow NATS round trip) timed out
+    assert re.match(r"waiting for NN workers: no successful reply after [01]s "
+                    r"\(last: (NoRespondersError|TimeoutError)\); still trying, for up to [12]s more", notes[0]), notes
     # the first after 0.3 s, then every 0.5 s until the 2 s deadline: a few, not one per retry
     assert 2 <= len(notes) <= 5, notes
-    assert elapsed < 3.0
+    assert elapsed < 2.0 + 3.0  # the deadline is honoured (with room for a loaded machine)
 
 
 def test_a_prompt_answer_logs_nothing(persia_env, caplog):

@@ -221,18 +221,26 @@ def test_partition_is_a_stable_sort_by_shard():
 
 def test_the_kernel_lets_other_threads_run_while_it_works():
     """The GIL is released inside the kernel: another Python thread makes progress in the middle
-    of one long lookup call (with the GIL held it could not run there at all)."""
+    of one long lookup call (with the GIL held it could not run there at all). Retried under a
+    deadline while other work on the machine keeps the ticker off every CPU during the call."""
     store = EmbeddingStore(300_000, 4, use_kernel=True)
     signs = np.arange(1, 200_001, dtype=np.uint64) * np.uint64(2654435761)
     store.lookup(signs, 16, True)
     batch = np.tile(signs, 15)  # 3M IDs: one call of tens of milliseconds
-    with Ticker() as ticker:
-        begin = time.perf_counter()
-        out = store.lookup(batch, 16, False)
-        end = time.perf_counter()
-    assert out.shape == (len(batch), 16) and np.any(out)
-    middle = ticker.between(begin + 0.3 * (end - begin), end - 0.3 * (end - begin))
-    assert len(middle) > 100, (len(ticker.stamps), len(middle), end - begin)
+
+    def stamps_in_the_middle_of_a_call() -> tuple[int, int, float]:
+        """(the ticker's stamps in the middle 40% of one lookup call, all its stamps, the call's time)."""
+        with Ticker() as ticker:
+            begin = time.perf_counter()
+            out = store.lookup(batch, 16, False)
+            end = time.perf_counter()
+        assert out.shape == (len(batch), 16) and np.any(out)
+        middle = ticker.between(begin + 0.3 * (end - begin), end - 0.3 * (end - begin))
+        return len(middle), len(ticker.stamps), end - begin
+
+    deadline = time.monotonic() + 30
+    while (got := stamps_in_the_middle_of_a_call())[0] <= 100:
+        assert time.monotonic() < deadline, got
 
 
 # -- arguments and safety -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from persia.metrics import job_label
 from persia.serving.local_stack import post_json
 from tests.integration.cluster import GLOBAL_CONFIG, cluster
 from tests.integration.test_training_path import make_batch
+from tests.polling import poll_until
 from tests.serving.helpers import ServedModel, dump, evaluate, serving, train_batches
 from tests.serving.test_server import as_json
 
@@ -73,5 +74,8 @@ def test_incremental_packets_and_a_new_jit_file_refresh_a_running_server(persia_
             tmp.write_bytes((tmp_path / "ckpt2" / "jit_dense.pt").read_bytes())
             tmp.rename(model_file)
             wait_for_prediction(url, body, evaluate(model, probe))
-            text = server.metrics.render().decode()
-            assert f'persia_serving_model_loads_total{{persia_job="{job_label()}",result="ok"}} 2.0' in text
+            # the server counts the load just after it swaps the model in: the new prediction can
+            # be served a moment before the count reads 2
+            loads_ok = f'persia_serving_model_loads_total{{persia_job="{job_label()}",result="ok"}} 2.0'
+            poll_until(lambda: loads_ok in server.metrics.render().decode(),
+                       "the model server to count the second model load", deadline_s=10.0)

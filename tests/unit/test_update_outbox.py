@@ -179,13 +179,15 @@ def test_permit_traffic_on_the_shared_condition_does_not_wake_the_flusher():
 def test_an_update_put_while_the_flusher_waits_for_an_earlier_deadline_is_still_sent():
     send = Recorder()
     sent, done = send.sent, send.done
-    box = UpdateOutbox(send, max_hold_s=0.5)  # long enough to claim the first update first
+    clock = Clock()  # the updates fall due when the test moves it, not while it is descheduled
+    box = UpdateOutbox(send, max_hold_s=0.5, clock=clock)
     try:
         poll_until(lambda: box._flusher_idle, "the flusher to wait for updates", deadline_s=10.0)
         box.put(upd(0, 1))
         poll_until(lambda: box.flusher_notified >= 1, "the flusher to wait for the first update's deadline", deadline_s=10.0)
         assert [u.ref for u in box.claim_for(0)] == [1]  # a lookup carried it
         box.put(upd(0, 2))  # no lookup will: the flusher's next look finds it
+        clock.t += 0.5  # the second update's deadline has come
         assert done.wait(10), "the second update was never sent"
         assert sent == [2] and len(box) == 0
     finally:
