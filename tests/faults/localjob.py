@@ -32,16 +32,21 @@ class LocalRun:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=dict(os.environ, **(env or {})), start_new_session=True)
         self.lines: list[str] = []
+        self.eof = False  # the pipe has ended: every line the job wrote is in ``lines``
         self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
+        try:
+            for line in self.proc.stdout:
+                with self._changed:
+                    self.lines.append(line.rstrip("\n"))
+                    self._changed.notify_all()
+        finally:
             with self._changed:
-                self.lines.append(line.rstrip("\n"))
+                self.eof = True
                 self._changed.notify_all()
-        with self._changed:
-            self._changed.notify_all()
 
     @property
     def text(self) -> str:
@@ -64,18 +69,23 @@ class LocalRun:
                         return i, m
                     i += 1
                 left = end - time.monotonic()
-                if left <= 0 or (self.proc.poll() is not None and i >= len(self.lines)):
+                # the launcher having exited is not the end: the pipe may still hold lines unread
+                if left <= 0 or (self.eof and i >= len(self.lines)):
                     raise AssertionError(f"no line matching {pattern!r} within {deadline_s}s:\n{self.text[-6000:]}")
                 self._changed.wait(min(left, 0.5))
 
     def pid_of(self, role: str, start: int = 0) -> int:
         return int(self.wait_for(rf"started {re.escape(role)} \(pid (\d+)\)", start=start).group(1))
 
-    def finish(self, deadline_s: float = 300.0) -> int:
+    def finish(self, deadline_s: float = 300.0, drain_s: float = 30.0) -> int:
+        """The launcher's exit code, once its output is all in ``lines`` (its last lines, the
+        run's outcome, may still be in the pipe when it exits). A role that outlived it and still
+        holds the pipe open bounds the wait at ``drain_s``."""
         try:
             return self.proc.wait(deadline_s)
         finally:
             self.kill()
+            self._reader.join(drain_s)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
