@@ -204,6 +204,74 @@ def test_slow_and_idle_http_clients_are_cut_off(model_file):
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
 
 
+def _trickle_until_cut_off(s: socket.socket, chunks, every_s: float, for_s: float) -> float:
+    """Send ``chunks`` one every ``every_s`` until the server cuts ``s`` off; how long that took
+    (fails after ``for_s``)."""
+    t0 = time.monotonic()
+    try:
+        for chunk in chunks:
+            if time.monotonic() - t0 > for_s:
+                break
+            s.sendall(chunk)
+            time.sleep(every_s)  # the trickle itself, not a synchronisation
+    except OSError:  # reset or broken pipe: the server closed it
+        return time.monotonic() - t0
+    raise AssertionError(f"the server kept reading a trickle for {for_s} s")
+
+
+def test_headers_trickled_byte_by_byte_or_line_by_line_are_cut_off(model_file):
+    """The request line and headers have ``http_timeout_s`` altogether: a client that sends a byte
+    or a header line just inside the per-read timeout each time held its thread for ever."""
+    def header_lines():
+        yield b"POST /v1/predict HTTP/1.1\r\n"
+        for i in range(10_000):
+            yield f"X-Pad-{i}: y\r\n".encode()
+
+    def header_bytes():
+        for i in range(10_000):
+            yield b"GET /live HTTP/1.1\r\nX-Pad: "[i:i + 1] or b"y"
+
+    with model_server(["127.0.0.1:1"], model_file, http_timeout_s=0.5) as server:
+        addr = ("127.0.0.1", server.http_port)
+        for chunks in (header_lines(), header_bytes()):
+            with socket.create_connection(addr) as s:
+                assert _trickle_until_cut_off(s, chunks, every_s=0.05, for_s=10) < 10
+        with socket.create_connection(addr) as s:  # a whole request still has its time
+            s.sendall(b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.settimeout(10)
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+def _overloaded(server) -> float:
+    text = server.metrics.render().decode()
+    m = re.search(r'^persia_serving_errors_total\{[^}]*kind="overloaded"[^}]*\} (\S+)$', text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_connections_over_max_connections_are_answered_503_and_closed(model_file):
+    """Each connection holds a thread: past ``max_connections`` one more is refused at once (a
+    flood of idle connections took a thread each, without limit); a slot frees when one closes."""
+    with model_server(["127.0.0.1:1"], model_file, max_connections=2, http_timeout_s=30) as server:
+        addr = ("127.0.0.1", server.http_port)
+        held = [socket.create_connection(addr), socket.create_connection(addr)]
+        try:
+            poll_until(lambda: metric(server, "persia_serving_http_connections") == 2, "two connections open")
+            with socket.create_connection(addr) as s:
+                got = _closed_within(s, 10)
+            assert got.startswith(b"HTTP/1.1 503"), got
+            assert json.loads(got.split(b"\r\n\r\n", 1)[1])["kind"] == "overloaded"
+            assert _overloaded(server) == 1
+            held.pop().close()
+            poll_until(lambda: metric(server, "persia_serving_http_connections") == 1, "a connection closed")
+            with socket.create_connection(addr) as s:  # its slot is free again
+                s.sendall(b"GET /live HTTP/1.1\r\nHost: x\r\n\r\n")
+                s.settimeout(10)
+                assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        finally:
+            for s in held:
+                s.close()
+
+
 # -- deadlines: a stuck embedding worker, requests whose callers gave up ---------------------------
 
 @pytest.fixture

@@ -121,6 +121,11 @@ def test_flags_and_env_to_config():
     assert cfg.embedding_workers == ["ew-0:8887", "ew-1:8887"]
     with pytest.raises(ValidationError, match="embedding_workers"):
         config_from_args(args, env={})
+    assert cfg.max_connections == 256
+    args = parser.parse_args(["serve", "--model", "m.pt", "--max-connections", "8"])
+    assert config_from_args(args, env={"PERSIA_SERVE_EMBEDDING_WORKERS": "x:9"}).max_connections == 8
+    with pytest.raises(ValidationError, match="max_connections"):
+        ServeConfig(embedding_workers=["x:9"], model="m", max_connections=0)
 
 
 def test_infer_global_config_keeps_training_settings():

@@ -36,8 +36,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout-s", **env_flag("PERSIA_SERVE_REQUEST_TIMEOUT_S", float, "number", 30.0),
                    help="a request not answered within this is answered 504 / DEADLINE_EXCEEDED")
     p.add_argument("--http-timeout-s", **env_flag("PERSIA_SERVE_HTTP_TIMEOUT_S", float, "number", 30.0),
-                   help="HTTP: the longest wait for a client (each read or write, the whole body, an idle "
-                        "keep-alive connection)")
+                   help="HTTP: the longest wait for a client (each write, a request's line and headers "
+                        "altogether or an idle keep-alive connection, the whole body)")
+    p.add_argument("--max-connections", **env_flag("PERSIA_SERVE_MAX_CONNECTIONS", int, "integer", 256),
+                   help="HTTP connections open at once (each holds a thread); one more is answered 503")
     return p
 
 
@@ -58,7 +60,7 @@ def config_from_args(args, env=None):
         grpc_port=None if args.grpc_port < 0 else args.grpc_port, host=bind_address(env),
         max_batch_size=args.max_batch_size, max_latency_ms=args.max_latency_ms, workers=args.workers,
         model_poll_seconds=args.model_poll_seconds, request_timeout_s=args.request_timeout_s,
-        http_timeout_s=args.http_timeout_s,
+        http_timeout_s=args.http_timeout_s, max_connections=args.max_connections,
     )
 
 

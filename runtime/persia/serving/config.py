@@ -34,8 +34,10 @@ class ServeConfig(BaseModel):
     """A request not answered within this is answered 504 (and dropped if it has not run); its
     embedding lookup gets what is left of it."""
     http_timeout_s: float = Field(default=30.0, gt=0.0)
-    """HTTP: every socket read or write waits at most this, and a request body must arrive within
-    it (else 408); an idle keep-alive connection is closed after it."""
+    """HTTP: every socket write waits at most this; a request's line and headers must arrive
+    within it (an idle keep-alive connection is closed after it), then its body (else 408)."""
+    max_connections: int = Field(default=256, ge=1, le=65535)
+    """HTTP connections open at once (each holds a thread); one more is answered 503 and closed."""
 
     @field_validator("embedding_workers")
     @classmethod

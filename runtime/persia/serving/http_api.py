@@ -4,16 +4,21 @@
 ``{"predictions": [[...], ...]}`` (a value that is not finite is ``null``: JSON has no NaN);
 ``GET /ready``, ``GET /live`` (200 or 503 with a reason), ``GET /metrics`` (Prometheus text).
 
-A slow client holds its connection's thread for a bounded time: every socket read and write waits
-at most ``http_timeout_s``, a request body must arrive within ``http_timeout_s`` altogether (else
-408 and the connection is closed), and an idle keep-alive connection is closed after it. (Header
-lines are read one at a time, each within ``http_timeout_s``.)
+Each connection holds a thread, so clients are bounded twice. A slow client holds its thread for a
+bounded time: every socket write waits at most ``http_timeout_s``; the request line and headers
+must arrive within ``http_timeout_s`` of the server waiting for them (an idle keep-alive
+connection is closed after it, and a client trickling its headers a byte at a time is cut off
+there, not after every byte); then the body within ``http_timeout_s`` (else 408 and the
+connection is closed). At most ``max_connections`` connections are open at once: another is
+answered 503 (``overloaded``) and closed, so a flood of connections cannot take every thread.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import socket
 import sys
 import threading
 import time
@@ -42,11 +47,48 @@ def predictions_json(out: np.ndarray) -> list:
     return [[v if ok else None for v, ok in zip(r, m)] for r, m in zip(rows, mask)]
 
 
+class DeadlineReader(io.RawIOBase):
+    """A socket's reads, all due by ``deadline`` (a monotonic time; None: each read within the
+    socket's own timeout): every ``recv`` waits only what is left, so a peer sending a byte at a
+    time gets no more time than one sending everything at once."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float):
+        self.sock, self.timeout_s = sock, timeout_s
+        self.deadline: float | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.deadline is None:
+            return self.sock.recv_into(buffer)
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        self.sock.settimeout(min(left, self.timeout_s))
+        try:
+            return self.sock.recv_into(buffer)
+        finally:
+            self.sock.settimeout(self.timeout_s)  # writes keep the full timeout
+
+
 def _handler(server: Any):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "persia-serving"
         timeout = server.config.http_timeout_s  # StreamRequestHandler sets it on the socket
+
+        def setup(self):
+            super().setup()
+            self.rfile.close()  # the plain socket file: reads go through the deadline instead
+            self._reader = DeadlineReader(self.connection, self.timeout)
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self):
+            """The request line and headers within ``timeout`` of waiting for them, altogether
+            (a TimeoutError there closes the connection, in the base class)."""
+            self._reader.deadline = time.monotonic() + self.timeout
+            super().handle_one_request()
 
         def log_message(self, fmt, *args):  # access logs would drown the role's log
             pass
@@ -96,14 +138,10 @@ def _handler(server: Any):
         def _read_body(self, length: int) -> bytes:
             """``length`` bytes within ``http_timeout_s`` altogether (a client trickling its body
             a byte at a time would restart a per-read timeout forever)."""
-            end = time.monotonic() + self.timeout
+            self._reader.deadline = time.monotonic() + self.timeout
             chunks, got = [], 0
             try:
                 while got < length:
-                    left = end - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    self.connection.settimeout(left)
                     chunk = self.rfile.read1(min(length - got, 1 << 20))
                     if not chunk:
                         self.close_connection = True
@@ -115,8 +153,6 @@ def _handler(server: Any):
                 self.close_connection = True
                 raise ServeError(408, "bad_request", f"the body did not arrive within {self.timeout:g} s "
                                  f"({got} of {length} bytes)", "body") from None
-            finally:
-                self.connection.settimeout(self.timeout)
             return b"".join(chunks)
 
         def _read_batch(self):
@@ -157,6 +193,59 @@ def _handler(server: Any):
 
 
 class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them: one more is answered 503 and
+    closed on the accepting thread (a send that cannot block: a fresh socket's buffer is empty)."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, server: Any):
+        self.model_server = server
+        self.max_connections = server.config.max_connections
+        self._open = 0
+        self._open_lock = threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            full = self._open >= self.max_connections
+            if not full:
+                self._open += 1
+                self.model_server.metrics.http_connections.set(self._open)
+        if full:
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._closed()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._closed()
+
+    def _closed(self) -> None:
+        with self._open_lock:
+            self._open -= 1
+            self.model_server.metrics.http_connections.set(self._open)
+
+    def _refuse(self, request) -> None:
+        err = ServeError(503, "overloaded", f"overloaded: {self.max_connections} HTTP connections open "
+                         "(max_connections); retry later")
+        self.model_server.count_refused("http", err)
+        body = json.dumps({"error": str(err), "kind": err.kind}).encode()
+        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.setblocking(False)
+            request.send(head + body)
+        except OSError:
+            pass
+        finally:
+            self.shutdown_request(request)
+
     def handle_error(self, request, client_address) -> None:
         """A client that went away mid-answer is not the server's error (no traceback on stderr)."""
         exc = sys.exc_info()[1]
@@ -167,7 +256,6 @@ class _Server(ThreadingHTTPServer):
 
 
 def start_http(server: Any, host: str, port: int) -> ThreadingHTTPServer:
-    httpd = _Server((host, port), _handler(server))
-    httpd.daemon_threads = True
+    httpd = _Server((host, port), _handler(server), server)
     threading.Thread(target=httpd.serve_forever, name="serve-http", daemon=True).start()
     return httpd

@@ -13,6 +13,7 @@ HTTP port; several servers in one process, as in tests, do not collide).
 ``persia_serving_model_loads_total``        model (re)loads by ``result`` (ok, failed)
 ``persia_serving_model_loaded_timestamp_seconds`` when the served model was loaded
 ``persia_serving_ready``                    1 when ready (model loaded, embedding workers answer)
+``persia_serving_http_connections``         HTTP connections open (at most max_connections)
 =========================================== ==========================================================
 
 Every series also carries ``persia_job`` (:func:`persia.metrics.job_label`: ``PERSIA_JOB_NAME``, which
@@ -38,6 +39,7 @@ METRIC_NAMES = (
     "persia_serving_model_loads_total",
     "persia_serving_model_loaded_timestamp_seconds",
     "persia_serving_ready",
+    "persia_serving_http_connections",
 )
 
 
@@ -70,6 +72,7 @@ class ServingMetrics:
         self.model_loaded = Gauge("persia_serving_model_loaded_timestamp_seconds", "when the model was loaded",
                                   registry=r)
         self.ready = Gauge("persia_serving_ready", "1 when ready", registry=r)
+        self.http_connections = Gauge("persia_serving_http_connections", "HTTP connections open", registry=r)
 
     def render(self) -> bytes:
         return generate_latest(_WithJobLabel(self.registry, self.job))
