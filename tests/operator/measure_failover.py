@@ -1,6 +1,6 @@
 """Measure leader-election failover with the default timings (15 s lease, 5 s renew, 2 s
 retry) against KMock: `python tests/operator/measure_failover.py` (about 20 s). Figures are
-in docs/operator.md ("Several replicas, one active"); the test of the same replicas with a 1 s
+in docs/operator.md ("Several replicas, one active"); the test of the same replicas with a 6 s
 lease is tests/operator/test_operator_leader.py."""
 import asyncio, sys, time
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))

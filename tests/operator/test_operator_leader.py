@@ -44,6 +44,10 @@ def test_decide(current, expected):
     assert decide(current, "me", NOW) == expected
 
 
+LEASE_S = 6.0  # step-down deadline 4 s after a renewal: a test process stalled for a second or two
+# (a loaded CI machine, a garbage collection) must not make the leader step down mid-test
+
+
 class Replica:
     """One operator replica: an elector and a stand-in for the kopf operator that
     records when it is active."""
@@ -51,7 +55,7 @@ class Replica:
     def __init__(self, server: str, name: str, log: list):
         self.api = KubeApi(login=lambda: kopf.ConnectionInfo(server=server))
         self.elector = LeaderElector(self.api, "persia-system", "persia-operator", name,
-                                     lease_duration=1.0, renew_period=0.2, retry_period=0.1)  # fmt: skip
+                                     lease_duration=LEASE_S, renew_period=1.0, retry_period=0.2)  # fmt: skip
         self.name, self.log = name, log
         self.task: asyncio.Task | None = None
 
@@ -85,21 +89,21 @@ async def test_one_active_replica_and_failover(cluster):
     a.start()
     await wait_for(lambda: active(log) == {"a"}, what="a active")
     b.start()
-    await asyncio.sleep(0.5)  # b would have taken over by now if it could
+    await asyncio.sleep(1.0)  # b would have taken over by now if it could (it retries every 0.2 s)
     assert active(log) == {"a"}
     # The leader loses the API server: it steps down, b takes over after the lease expires.
     lost = time.monotonic()
     a.crash_network()
     await wait_for(lambda: active(log) == {"b"}, what="b active")
-    assert await asyncio.wait_for(a.task, 5) == 1  # a's operator stopped: it lost the lease
+    assert await asyncio.wait_for(a.task, 30) == 1  # a's operator stopped: it lost the lease
     took_over = next(t for t, n, w in log if n == "b" and w == "start")
     a_stopped = next(t for t, n, w in log if n == "a" and w == "stop")
     assert a_stopped <= took_over  # never two active
-    print(f"failover after a lost leader: {took_over - lost:.2f}s (lease 1.0s, retry 0.1s)")
+    print(f"failover after a lost leader: {took_over - lost:.2f}s (lease {LEASE_S:g}s, retry 0.2s)")
     # A clean shutdown releases the lease: a standby takes over at its next retry.
     c = Replica(server, "c", log)
     c.start()
-    await asyncio.sleep(0.3)
+    await asyncio.sleep(1.0)
     assert active(log) == {"b"}
     released = time.monotonic()
     b.task.cancel()
@@ -268,9 +272,9 @@ def renew_time(api):
 
 @pytest.mark.parametrize("renewed_first", [0, 2])
 async def test_a_hanging_renewal_stops_the_holder_before_its_lease_expires(renewed_first):
-    lease = 1.5  # step-down deadline 1.0 s after the last renewal
+    lease = 4.5  # step-down deadline 3.0 s after the last renewal (1.5 s to spare for a stalled test)
     api = FakeLeaseApi(["ok"] * (1 + renewed_first), then="hang")  # create, renewals, then no answer
-    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=lease, renew_period=0.2, retry_period=0.05)
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=lease, renew_period=0.6, retry_period=0.15)
     stopped = []
 
     async def operate():
@@ -280,17 +284,17 @@ async def test_a_hanging_renewal_stops_the_holder_before_its_lease_expires(renew
             stopped.append(datetime.now(UTC))
 
     # The old holder awaited the hung call for ever (in production: the 60 s request timeout).
-    assert await asyncio.wait_for(run_as_leader(elector, operate), timeout=5) == 1
+    assert await asyncio.wait_for(run_as_leader(elector, operate), timeout=20) == 1
     assert api.done[: 2 + renewed_first] == ["ok"] * (1 + renewed_first) + ["hang"]
     acted_for = (stopped[0] - renew_time(api)).total_seconds()
     assert acted_for < lease, f"the operator ran {acted_for:.2f}s after its last renewal (lease {lease}s)"
 
 
 async def test_a_failed_renewal_is_retried_and_the_holder_keeps_leading():
-    # renew_period = half the 1.0 s deadline: the old holder, which retried only
+    # renew_period = half the 3.0 s deadline: the old holder, which retried only
     # renew_period after a failure, stepped down at the first one.
     api = FakeLeaseApi(["ok", "fail", "ok"])
-    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=1.5, renew_period=0.5, retry_period=0.1)
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=4.5, renew_period=1.5, retry_period=0.3)
     await elector.acquire()
     holding = asyncio.get_running_loop().create_task(elector.hold())
     try:
@@ -304,12 +308,12 @@ async def test_a_failed_renewal_is_retried_and_the_holder_keeps_leading():
 
 async def test_renewals_that_keep_failing_are_retried_until_the_deadline_then_the_holder_steps_down():
     api = FakeLeaseApi(["ok"], then="fail")
-    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=1.5, renew_period=0.5, retry_period=0.1)
+    elector = LeaderElector(api, "ns", "lease", "me", lease_duration=4.5, renew_period=1.5, retry_period=0.3)
     await elector.acquire()
-    await asyncio.wait_for(elector.hold(), timeout=10)
+    await asyncio.wait_for(elector.hold(), timeout=30)
     stepped_down = (datetime.now(UTC) - renew_time(api)).total_seconds()
     assert api.done.count("fail") >= 3  # retried every retry_period, not once
-    assert 0.8 <= stepped_down < 1.5  # at the 1.0 s deadline (less a retry period), before the lease ends
+    assert 2.4 <= stepped_down < 4.5  # at the 3.0 s deadline (less a retry period), before the lease ends
 
 
 async def test_a_hanging_release_is_abandoned_when_the_lease_would_have_expired():
