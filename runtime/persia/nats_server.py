@@ -10,6 +10,7 @@ reads its config once, at start): a launcher killed with SIGKILL leaves no crede
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -22,7 +23,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+log = logging.getLogger(__name__)
+
 MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+RESTART_PORT_BUSY_S = 5.0  # how long a restart keeps trying a port something else holds
 DEFAULT_GO_MAX_PROCS = 1
 
 
@@ -160,12 +164,25 @@ class NatsServer:
     def process(self) -> subprocess.Popen | None:
         return self._proc
 
-    def restart(self, deadline_s: float = 20.0) -> str:
-        """Start again on the same port (clients reconnect to the URL they know)."""
+    def restart(self, deadline_s: float = 20.0, port_busy_s: float = RESTART_PORT_BUSY_S) -> str:
+        """Start again on the same port (clients reconnect to the URL they know). A start that
+        fails is tried again for ``port_busy_s``: the port can be held for a moment by another
+        socket, e.g. a client's reconnect that picked that very port as its own source port and
+        connected to itself (the port came from the kernel's ephemeral range)."""
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
-        return self.start(deadline_s)
+        end = time.monotonic() + deadline_s
+        give_up = time.monotonic() + port_busy_s
+        while True:
+            try:
+                return self.start(max(1.0, end - time.monotonic()))
+            except RuntimeError as exc:  # it exited at start
+                if time.monotonic() >= give_up:
+                    raise
+                log.warning("nats-server did not restart on port %d (%s); trying again", self.port,
+                            str(exc).splitlines()[-1])
+                time.sleep(0.2)  # the port frees itself; polled until give_up
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
+import threading
 import time
 
 import numpy as np
@@ -61,6 +63,30 @@ def test_a_restart_keeps_the_port_and_credentials_and_leaves_no_config():
         bus.close()
         words = open(f"/proc/{server.process.pid}/cmdline", "rb").read().decode().split("\0")
         assert not os.path.exists(words[words.index("-c") + 1])
+    finally:
+        server.stop()
+
+
+def test_a_restart_waits_for_its_port_while_another_socket_holds_it():
+    """A client's reconnect can pick the server's old port as its own source port and connect to
+    itself: the port is held for a moment. The restart tries again instead of failing the job;
+    a port that stays taken is still an error."""
+    server = NatsServer()
+    try:
+        url = server.start()
+        server.process.kill()
+        server.process.wait()
+        squatter = socket.create_server(("127.0.0.1", server.port))
+        threading.Timer(1.0, squatter.close).start()  # held for a moment, then freed
+        started = time.monotonic()
+        assert server.restart() == url
+        assert time.monotonic() - started >= 0.9  # it did wait for the port
+        NatsBus(url, name="member", auth=NatsAuth(user=server.user, password=server.password), secret=b"").close()
+        server.process.kill()
+        server.process.wait()
+        with socket.create_server(("127.0.0.1", server.port)):  # held for good
+            with pytest.raises(RuntimeError, match="address already in use"):
+                server.restart(port_busy_s=1.0)
     finally:
         server.stop()
 
