@@ -34,6 +34,7 @@ import copy
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -129,6 +130,29 @@ class PodRuntime:
     started: bool = False
     term_sent: float | None = None
 
+
+
+def _unclaimed_port(taken: set[int]) -> int:
+    """A free port for a pod's process to bind later, below the kernel's ephemeral range: a port
+    from a bind of port 0, closed again, can be taken meanwhile by any other port-0 bind (gloo,
+    gRPC, nats-server) or by a readiness probe's own connect (its source port: a self-connect)."""
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    pick = secrets.SystemRandom()
+    for _ in range(1000):
+        candidate = pick.randint(10000, max(10001, low - 1))
+        if candidate in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((POD_IP, candidate))
+            except OSError:
+                continue
+        return candidate
+    raise RuntimeError("no free port below the ephemeral range")
 
 class Kubelet:
     """Controllers + scheduler + process kubelet, in a thread of their own."""
@@ -445,14 +469,7 @@ class Kubelet:
         key = (namespace, pod, int(container_port))
         with self.lock:
             if key not in self.ports:
-                taken = set(self.ports.values())
-                while True:
-                    with socket.socket() as s:
-                        s.bind((POD_IP, 0))
-                        candidate = s.getsockname()[1]
-                    if candidate not in taken:
-                        break
-                self.ports[key] = candidate
+                self.ports[key] = _unclaimed_port(set(self.ports.values()))
             return self.ports[key]
 
     def _volumes(self, pod: dict[str, Any], rt: PodRuntime, configmaps: dict[str, Any], secrets: dict[str, Any],

@@ -168,10 +168,13 @@ def _lifecycle(cluster, record):
     pj.until(("Failed",), 120)
     wide = pj.line(wide=True)
     assert wide.split()[1] == "Failed" and wide.split()[-1] == "InvalidSpec", wide
-    described = cluster.kubectl("describe", "pj", bad)
-    events = described.split("\nEvents:", 1)[1]
-    assert any(line.split()[:2] == ["Warning", "InvalidSpec"] and "nnWorker.replicas" in line
-               for line in events.splitlines()), described  # kopf's events, posted with generateName
+
+    def invalid_spec_event() -> bool:  # kopf's events, posted with generateName after the status
+        events = cluster.kubectl("describe", "pj", bad).split("\nEvents:", 1)[-1]
+        return any(line.split()[:2] == ["Warning", "InvalidSpec"] and "nnWorker.replicas" in line
+                   for line in events.splitlines())
+
+    wait_until(invalid_spec_event, 30, lambda: cluster.kubectl("describe", "pj", bad))
     assert pods_of(cluster, bad) == []
     delete_job(cluster, bad)
     invalid_line = wide

@@ -82,12 +82,16 @@ def _listeners(pids: set[int]) -> list[tuple[int, str, int]]:
     owner: dict[str, int] = {}
     for pid in pids:
         try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    owner[link[8:-1]] = pid
+            fds = os.listdir(f"/proc/{pid}/fd")
         except OSError:
             continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:  # closed since the listing: the process's other sockets still count
+                continue
+            if link.startswith("socket:["):
+                owner[link[8:-1]] = pid
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
@@ -118,8 +122,15 @@ def test_local_mode_listens_on_loopback_only_with_a_metrics_port_per_role(tmp_pa
         while not ready.exists():
             assert proc.poll() is None and time.monotonic() < end, proc.stdout.read()[-4000:] if proc.poll() is not None else "timeout"
             time.sleep(0.1)
-        pids = _descendants(proc.pid)
-        listeners = _listeners(pids)
+        # the servers' metrics exporters start after their NATS subscriptions, which are all the
+        # trainer needs to be ready: look until both are listening
+        end = time.monotonic() + 60
+        while True:
+            pids = _descendants(proc.pid)
+            listeners = _listeners(pids)
+            if {base, base + 1} <= {port for _, _, port in listeners} or time.monotonic() > end:
+                break  # (the asserts below name what is missing)
+            time.sleep(0.1)  # polled with a deadline
         password = None
         for pid in pids:
             try:

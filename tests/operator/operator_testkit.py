@@ -318,18 +318,18 @@ class OperatorThread:
 
     async def start(self) -> None:
         self.thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not self.ready.is_set():
-            assert time.monotonic() < deadline, "the operator did not start within 10s"
+            assert time.monotonic() < deadline, "the operator did not start within 30s"
             assert self.thread.is_alive(), f"the operator died at start-up: {self.error!r}"
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
         if self.task is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.task.cancel)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 30
         while self.thread.is_alive():
-            assert time.monotonic() < deadline, "the operator did not stop within 15s"
+            assert time.monotonic() < deadline, "the operator did not stop within 30s"
             await asyncio.sleep(0.01)
         assert self.error is None, f"the operator failed: {self.error!r}"
 

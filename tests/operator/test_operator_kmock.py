@@ -15,6 +15,8 @@ from operator_testkit import (
 
 from persia_operator import constants as C
 
+from tests.ports import free_ports
+
 NS, NAME = "ns1", "demo"
 TRAINING = ["Job/demo-dataloader", "Job/demo-nn-worker", "StatefulSet/demo-embedding-ps", "StatefulSet/demo-embedding-worker"]
 
@@ -241,14 +243,11 @@ async def test_seed_manifest_runs(cluster, operator):
 async def test_liveness_endpoint_reports_the_reconciler(cluster):
     # KMock cannot: run kubelet probes; the endpoint is fetched directly.
     import json
-    import socket
     import urllib.request
 
     from operator_testkit import OperatorThread
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)  # below the ephemeral range: no port-0 bind takes it before kopf binds it
     runner = OperatorThread(str(cluster.k.url).rstrip("/"), liveness=f"http://127.0.0.1:{port}/healthz")
     await runner.start()
     try:

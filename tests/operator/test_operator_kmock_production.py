@@ -124,7 +124,7 @@ async def test_external_nats_with_a_user_secret(cluster, operator, caplog):
     server = subprocess.Popen([NATS_SERVER, "-a", "127.0.0.1", "-p", str(port), "--user", "persia", "--pass", password],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while True:
             try:
                 rank0 = await nats.connect(url, user="persia", password=password, connect_timeout=1,

@@ -313,7 +313,7 @@ async def _messages_cross_the_route(url_a: str, url_b: str, password: str) -> No
 
         await sub_side.subscribe("persia.demo.route-check", cb=on_msg)
         await sub_side.flush()
-        for _ in range(50):  # interest reaches the other server asynchronously
+        for _ in range(300):  # interest reaches the other server asynchronously (up to 30 s)
             await pub_side.publish("persia.demo.route-check", b"over the route")
             await pub_side.flush()
             try:
