@@ -74,6 +74,17 @@ class LocalRun:
                     raise AssertionError(f"no line matching {pattern!r} within {deadline_s}s:\n{self.text[-6000:]}")
                 self._changed.wait(min(left, 0.5))
 
+    def published_checkpoint(self, at_least: int, start: int = 0, deadline_s: float = 120.0) -> tuple[int, int]:
+        """(line index, step) of the first checkpoint the NN worker publishes (from ``start``) at
+        step ``at_least`` or later: a fault injected late lets the job publish the next one first."""
+        end = time.monotonic() + deadline_s
+        i = start
+        while True:
+            i, m = self.wait_index(r"\[nn\].*checkpoint step (\d+) published", max(0.0, end - time.monotonic()), i)
+            if int(m.group(1)) >= at_least:
+                return i, int(m.group(1))
+            i += 1
+
     def pid_of(self, role: str, start: int = 0) -> int:
         return int(self.wait_for(rf"started {re.escape(role)} \(pid (\d+)\)", start=start).group(1))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from persia.nn_worker.periodic import scan
 from tests.faults.localjob import LocalRun, children_of
 
 # the module's killed two-rank run takes about 90 s on 2 cores: make test-scenarios
@@ -71,7 +72,7 @@ class KilledRun:
     run: LocalRun
     ckpt: Path
     restart: int  # index of the line that says the job restarts
-    step: int  # the newest checkpoint published before it
+    step: int  # the newest complete checkpoint when it restarted
 
 
 @pytest.fixture(scope="module")
@@ -87,14 +88,21 @@ def killed_run(tmp_path_factory) -> KilledRun:
         os.kill(victim, signal.SIGKILL)
         restart, _ = run.wait_index(r"\[local\] nn exit code 137 \(SIGKILL\); restarting the job \(1/3\)",
                                     start=killed_at)
+        # the newest checkpoint on disk once the old incarnation is gone (the launcher stops every
+        # role before it starts the first of the next): the one the job must resume from. Not
+        # the newest "published" line: a checkpoint is complete on disk before rank 0 logs it,
+        # so a kill that lands while the next one is written leaves it complete and unlogged.
+        # The new incarnation publishes nothing before it has resumed and trained INTERVAL steps.
+        run.wait_index(r"\[local\] started ", start=restart)
+        on_disk = max(step for step, _ in scan(ckpt))
         assert "nn-worker rank 1 killed by SIGKILL" in "\n".join(run.lines[killed_at:restart + 1])
         run.finish(240)
     finally:
         run.kill()
-    # the newest checkpoint published before the restart: the one the job must resume from
     published = [int(m.group(1)) for line in run.lines[:restart]
                  if (m := re.search(r"\[nn\].*checkpoint step (\d+) published", line))]
-    return KilledRun(run, ckpt, restart, max(published))
+    assert on_disk >= max(published), (on_disk, published)
+    return KilledRun(run, ckpt, restart, on_disk)
 
 
 def test_nn_rank_1_killed_both_ranks_resume_from_the_checkpoint(killed_run):
