@@ -34,7 +34,6 @@ import copy
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
 import socket
@@ -48,6 +47,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from persia.utils import unclaimed_ports
 
 from . import controllers
 from .apiserver import ApiError
@@ -130,29 +131,6 @@ class PodRuntime:
     started: bool = False
     term_sent: float | None = None
 
-
-
-def _unclaimed_port(taken: set[int]) -> int:
-    """A free port for a pod's process to bind later, below the kernel's ephemeral range: a port
-    from a bind of port 0, closed again, can be taken meanwhile by any other port-0 bind (gloo,
-    gRPC, nats-server) or by a readiness probe's own connect (its source port: a self-connect)."""
-    low = 32768
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    pick = secrets.SystemRandom()
-    for _ in range(1000):
-        candidate = pick.randint(10000, max(10001, low - 1))
-        if candidate in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((POD_IP, candidate))
-            except OSError:
-                continue
-        return candidate
-    raise RuntimeError("no free port below the ephemeral range")
 
 class Kubelet:
     """Controllers + scheduler + process kubelet, in a thread of their own."""
@@ -469,7 +447,9 @@ class Kubelet:
         key = (namespace, pod, int(container_port))
         with self.lock:
             if key not in self.ports:
-                self.ports[key] = _unclaimed_port(set(self.ports.values()))
+                # below the ephemeral range: bound seconds later by the pod's process, while
+                # readiness probes and other pods already connect to it
+                self.ports[key] = unclaimed_ports(1, POD_IP, taken=set(self.ports.values()))[0]
             return self.ports[key]
 
     def _volumes(self, pod: dict[str, Any], rt: PodRuntime, configmaps: dict[str, Any], secrets: dict[str, Any],

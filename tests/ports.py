@@ -6,7 +6,8 @@ from __future__ import annotations
 import secrets
 import socket
 from contextlib import contextmanager
-from pathlib import Path
+
+from persia.utils import ephemeral_port_floor
 
 
 def free_ports(n: int) -> int:
@@ -17,12 +18,7 @@ def free_ports(n: int) -> int:
     # ports, and the same ports as an earlier test of the session
     random = secrets.SystemRandom()
 
-    low = 1024
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    top = max(low, 10000 + n + 1)
+    top = max(ephemeral_port_floor(), 10000 + n + 1)
     for _ in range(200):
         base = random.randint(10000, top - n - 1) if top - n - 1 > 10000 else random.randint(40000, 60000)
         socks = []

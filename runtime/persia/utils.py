@@ -9,7 +9,7 @@ import logging
 import socket
 import subprocess
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 import yaml
@@ -77,6 +77,33 @@ def find_free_port(port: int | None = None, interval: int = 1, *, host: str = "1
         if _port_is_free(host, candidate):
             return candidate
     raise RuntimeError(f"find_free_port: no free port on {host} from {port} in steps of {interval}")
+
+
+def ephemeral_port_floor() -> int:
+    """The lowest port the kernel hands out to port-0 binds and to connects' source ports."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def unclaimed_ports(n: int, host: str = "127.0.0.1", taken: Collection[int] = ()) -> list[int]:
+    """``n`` distinct free ports below the kernel's ephemeral range, for processes that bind them
+    later. A port from a port-0 bind, closed again, can meanwhile be taken by any other port-0
+    bind, or picked as a connecting socket's own source port (a client connecting early to the
+    server that will listen there then connects to itself)."""
+    pick = random.SystemRandom()
+    top = ephemeral_port_floor() - 1
+    low = 10000 if top > 11000 else 1024
+    out: list[int] = []
+    for _ in range(1000 * n):
+        if len(out) == n:
+            return out
+        candidate = pick.randint(low, top)
+        if candidate not in out and candidate not in taken and _port_is_free(host, candidate):
+            out.append(candidate)
+    raise RuntimeError(f"no {n} free ports on {host} below the ephemeral range ({low}..{top})")
 
 
 def load_yaml(filepath: str) -> Any:

@@ -77,6 +77,18 @@ def test_find_free_port_scans_from_the_given_port_in_steps():
         find_free_port(port=10000, interval=0)
 
 
+def test_unclaimed_ports_are_distinct_free_and_below_the_ephemeral_range():
+    from persia.utils import ephemeral_port_floor, unclaimed_ports
+
+    first = unclaimed_ports(8)
+    assert len(set(first)) == 8 and all(p < ephemeral_port_floor() for p in first)
+    for port in first:  # each can be bound (and none listens)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    again = unclaimed_ports(8, taken=first)
+    assert not set(again) & set(first)
+
+
 def test_yaml_helpers_and_run_command(tmp_path):
     from persia.utils import dump_yaml, load_yaml, run_command
 

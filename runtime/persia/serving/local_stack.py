@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from persia.procs import spawn, stop_in_order
-from persia.utils import dump_yaml, find_free_port
+from persia.utils import dump_yaml, unclaimed_ports
 
 HOST = "127.0.0.1"
 
@@ -51,9 +51,11 @@ class InferenceStack:
             self.env.pop(var, None)
         self._metrics_port = metrics_port
         self._next_offset = 0
-        ps_ports = [find_free_port(HOST) for _ in range(num_ps)]
-        ew_ports = [find_free_port(HOST) for _ in range(num_workers)]
-        self.http_port, self.grpc_port = find_free_port(HOST), find_free_port(HOST)
+        # bound seconds from now, by processes importing torch first; meanwhile the embedding
+        # workers and the model server already connect to the ports of the others
+        ports = unclaimed_ports(num_ps + num_workers + 2, HOST)
+        ps_ports, ew_ports = ports[:num_ps], ports[num_ps:num_ps + num_workers]
+        self.http_port, self.grpc_port = ports[-2:]
         gc_path = self.workdir / "global_config_infer.yml"
         dump_yaml(infer_global_config(train_global_config, [f"{HOST}:{p}" for p in ps_ports], checkpoint), str(gc_path))
         self.ew_addresses = [f"{HOST}:{p}" for p in ew_ports]
