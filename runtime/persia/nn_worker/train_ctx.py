@@ -39,7 +39,7 @@ from persia.nn_worker.thread_tuning import ThreadTuner, TuningPlan, candidates_f
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.security import bind_address
-from persia.utils import advertise_host, find_free_port
+from persia.utils import advertise_host, unclaimed_ports
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if self.rank == 0:
                 master_addr = advertise_host()
                 if option.master_port == 23456 and os.environ.get("PERSIA_DDP_FREE_PORT", "1") == "1":
-                    option.master_port = find_free_port(host=bind_address())
+                    # below the ephemeral range: the other ranks may connect before the store
+                    # listens, and a port-0 pick could be their connect's own source port
+                    option.master_port = unclaimed_ports(1, host=bind_address())[0]
                 info = {"addr": master_addr, "port": option.master_port}
                 self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False, schema=NoPayload)
                 self.bus.flush()
