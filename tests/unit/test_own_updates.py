@@ -36,6 +36,18 @@ def test_since_is_the_oldest_update_not_yet_acknowledged():
     assert own.query(4) == {"source": 7, "since": 4}
 
 
+def test_updates_of_lookups_without_replay_are_numbered_but_not_kept():
+    """Synchronous training (staleness 1) asks for no replay, so no correction ever forgets its
+    updates: keeping them grew the history by a record a step for the life of the job."""
+    own = OwnUpdates(AdagradConfig(), 0.0, source=7)
+    no_signs = [{"dim": 4, "rows": np.zeros((2, 4), np.float32)}]
+    seqs = [own.sent(no_signs, _slots(2), [np.ones((2, 4), np.float32)], 1.0, []) for _ in range(1000)]
+    assert seqs == list(range(1, 1001)) and len(own.history) == 0
+    own.sent(_reply_tables(np.array([3, 5], np.uint64), np.zeros((2, 4), np.float32)), _slots(2),
+             [np.ones((2, 4), np.float32)], 1.0, [])
+    assert [u.seq for u in own.history.since(1)] == [1001]  # a replayable one is kept
+
+
 def test_correct_replays_the_missed_updates_and_forgets_what_no_later_batch_needs():
     cfg = AdagradConfig(lr=0.5)
     own = OwnUpdates(cfg, 0.0, source=7)

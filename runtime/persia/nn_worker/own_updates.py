@@ -82,7 +82,9 @@ class OwnUpdates:
             seq = self._next
             self._next += 1
             self._unacked.add(seq)
-        self.history.add(SentUpdate(seq, applied))
+        if applied:  # an update of a lookup without replay (synchronous training) replays nothing,
+            # and no batch's correction would ever forget it: kept, it grew by a record a step
+            self.history.add(SentUpdate(seq, applied))
         return seq
 
     def acked(self, seq: int | None) -> None:
