@@ -181,3 +181,25 @@ def test_restart_resumes_the_last_published_checkpoint(mp, sequence):
             assert len(complete) <= KEEP
             if complete:
                 assert complete[-1][0] == published["step"]
+
+
+def test_a_failed_cut_leaves_no_temporary_directory_and_the_next_removes_a_killed_writers(tmp_path):
+    """A cut that fails (a full disk, a PS restarted mid-dump) removes its own temporary directory:
+    each failed cut left up to a whole checkpoint behind, until the trainer restarted. What a
+    killed writer left, the next cut removes."""
+    killed = tmp_path / plan.tmp_name(5)  # a writer killed at step 5 left this
+    killed.mkdir()
+    (killed / "dense.pt").write_bytes(b"x" * 1000)
+
+    def disk_full(tmp: Path) -> None:
+        (tmp / "dense.pt").write_bytes(b"x" * 1000)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_cut(tmp_path, {"step": 10, "world_size": 1, "loaders": {}}, disk_full, KEEP)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # its own and the killed writer's are gone
+    killed.mkdir()
+    marker = write_cut(tmp_path, {"step": 20, "world_size": 1, "loaders": {}},
+                       lambda tmp: (tmp / "dense.pt").write_bytes(b"y"), KEEP)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [plan.checkpoint_name(20)]
+    assert marker["step"] == 20 and scan(tmp_path) == [(20, plan.checkpoint_name(20))]

@@ -108,19 +108,26 @@ def own_checkpoints(directory: Path | None, complete: list[tuple[int, str]]) -> 
 def write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], None], keep: int) -> dict:
     """Write one checkpoint: ``progress.json`` and ``write_parts(tmp)`` into ``.tmp-ckpt-<step>``,
     then publish it (``COMPLETE``, rename) and apply retention. A writer killed anywhere before the
-    rename leaves only a temporary directory, which no reader looks at; returns the marker."""
+    rename leaves only a temporary directory, which no reader looks at and the next cut removes
+    (a failed cut removes its own at once: up to a whole checkpoint each, they filled disks);
+    returns the marker."""
     step = int(progress["step"])
     tmp = directory / plan.tmp_name(step)
     final = directory / plan.checkpoint_name(step)
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in directory.glob(plan.TMP_PREFIX + "*"):  # this step's, or a killed writer's
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
-    write_json_atomic(tmp / plan.PROGRESS, progress)
-    write_parts(tmp)
-    now = time.time()
-    marker = {"format": plan.FORMAT, "step": step, "time": now,
-              "datetime": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(),
-              "parts": sorted(p.name for p in tmp.iterdir()), "world_size": progress.get("world_size")}
-    publish(tmp, final, marker)
+    try:
+        write_json_atomic(tmp / plan.PROGRESS, progress)
+        write_parts(tmp)
+        now = time.time()
+        marker = {"format": plan.FORMAT, "step": step, "time": now,
+                  "datetime": _dt.datetime.fromtimestamp(now, _dt.timezone.utc).isoformat(),
+                  "parts": sorted(p.name for p in tmp.iterdir()), "world_size": progress.get("world_size")}
+        publish(tmp, final, marker)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     marker["path"] = str(final)
     for name in plan.to_delete(scan(directory), keep):
         shutil.rmtree(directory / name, ignore_errors=True)
