@@ -123,12 +123,20 @@ class Reconciler:
         status = derive_status(observed, children, now, nats=nats)
         actions = plan_actions(meta, status, children, now)
         child_actions = [a for a in actions if not isinstance(a, DeleteJob)]
+        # The decision is saved before it is acted on. Acted on first, a status write that then
+        # failed (throttled, timed out, the pass cancelled) left the children changed under the
+        # old status, and the next pass undid the decision: a finished job's workloads created
+        # again, a failed job restarted, a restart not counted against backoffLimit. Saved
+        # first, a failed write changes nothing, and a saved decision whose actions fail is
+        # carried out by the next pass (the plan follows the status, and repeats harmlessly).
+        written = await self._write_status(body, observed.status, status, logger)
         errors = await self._execute(meta.namespace, meta.uid, child_actions, logger)
         if errors:
-            status = derive_status(observed, children, now, errors, nats=nats)
+            failed = derive_status(observed, children, now, errors, nats=nats)
+            await self._write_status(written, status, failed, logger)
+            status = failed
         if status.attempt != observed.status.attempt and status.is_true(C.COND_RESTARTING):
             opmetrics.RESTARTS.labels(reason=status.condition(C.COND_RESTARTING).reason).inc()  # type: ignore[union-attr]
-        await self._write_status(body, observed.status, status, logger)
         for action in actions:
             if isinstance(action, DeleteJob):
                 logger.info(f"Deleting PersiaJob {meta.namespace}/{meta.name}: {action.why}")
@@ -220,11 +228,14 @@ class Reconciler:
                 message = f"{kind} {name} exists and is not owned by this PersiaJob"
                 raise ApiError(409, "AlreadyExists", message) from None
 
-    async def _write_status(self, body: dict[str, Any], prev: JobStatus, status: JobStatus, logger: Any) -> None:
+    async def _write_status(self, body: dict[str, Any], prev: JobStatus, status: JobStatus,
+                            logger: Any) -> dict[str, Any]:
+        """Patch the job's status from ``body``'s to ``status`` (raises if the write fails) and
+        post the events of the transition from ``prev``; returns ``body`` with the status written."""
         new = status.model_dump(by_alias=True, mode="json", exclude_none=True)
         patch = merge_patch_diff(body.get("status") or {}, new, owned=_STATUS_KEYS)
         if not patch:
-            return
+            return body
         meta = body["metadata"]
         await self.api.merge_patch(C.KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
         for event in transition_events(prev, status):
@@ -232,6 +243,7 @@ class Reconciler:
                 await self.api.create(event_manifest(body, event, self.clock()))
             except ApiError as err:  # events are best effort
                 logger.debug(f"Could not post event {event.reason}: {err}")
+        return {**body, "status": new}
 
 
 def managed_here(body: dict[str, Any]) -> bool:

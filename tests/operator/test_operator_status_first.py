@@ -1,0 +1,103 @@
+"""A reconcile pass saves its decision (the job's status) before it acts on it: the real
+Reconciler against a recording stand-in for the API server that can refuse the status write.
+
+What the stand-in cannot check: the API server's own behaviour (admission, the status
+subresource's rules); tests/operator/test_operator_kmock*.py run the operator against KMock."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from operator_testkit import NOW, Sim, failed
+
+from persia_operator import constants as C
+from persia_operator.kube import ApiError
+from persia_operator.reconciler import Reconciler
+
+LOG = logging.getLogger("test")
+
+
+class RecordingApi:
+    """Records creates, deletes and patches in order; the first ``refuse_status`` status writes
+    fail as a throttled API server answers."""
+
+    def __init__(self, refuse_status: int = 0, refuse_creates: bool = False):
+        self.calls: list[tuple[str, ...]] = []
+        self.refuse_status, self.refuse_creates = refuse_status, refuse_creates
+
+    async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict | None:
+        return None
+
+    async def create(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        if manifest["kind"] != "Event" and self.refuse_creates:
+            raise ApiError(422, "Invalid", f"{manifest['kind']} refused")
+        self.calls.append(("create", manifest["kind"], manifest.get("reason") or manifest["metadata"].get("name")))
+        return manifest
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        self.calls.append(("delete", kind, name))
+
+    async def merge_patch(self, kind, namespace, name, patch, subresource=None) -> dict[str, Any]:
+        if subresource == "status":
+            if self.refuse_status:
+                self.refuse_status -= 1
+                raise ApiError(429, "TooManyRequests", "the server is throttling")
+            self.calls.append(("status", patch["status"].get("phase", ""),
+                               *sorted(c["reason"] for c in patch["status"].get("conditions", []))))
+        else:
+            self.calls.append(("patch", kind, name))
+        return patch
+
+    async def close(self) -> None:
+        pass
+
+
+class NoNats:
+    def observe(self, key, target):
+        return None
+
+    def forget(self, key) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+def failing_job() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A running job whose every pod exited 1 (a program error: the job fails, and its
+    unfinished workloads are deleted), as the body and child summaries a pass reads."""
+    sim = Sim().running()
+    return {**sim.body, "status": sim.status.to_wire()}, sim.children(pods=failed(1))
+
+
+async def test_a_status_write_that_fails_leaves_every_child_as_it_was():
+    body, children = failing_job()
+    api = RecordingApi(refuse_status=1)
+    reconciler = Reconciler(api, clock=lambda: NOW, nats=NoNats())  # type: ignore[arg-type]
+    try:
+        await reconciler._pass(body, children, LOG)
+    except ApiError as err:
+        assert err.code == 429
+    else:
+        raise AssertionError("the refused status write was not reported")
+    # acted on first, the workloads were deleted here, and the next pass (reading the old,
+    # Running status) created them all again: a failed job back to life
+    assert api.calls == []
+    status = await reconciler._pass(body, children, LOG)  # the write goes through now
+    assert status.phase == "Failed"
+    kinds = [call[0] for call in api.calls]
+    assert kinds[0] == "status" and api.calls[0][1] == "Failed", api.calls
+    assert "delete" in kinds and "create" not in [k for k, *rest in api.calls if rest[0] != "Event"]
+
+
+async def test_child_errors_are_written_after_the_decision_they_follow():
+    """A pass whose creates fail writes its decision, then the status that names the failure."""
+    sim = Sim()
+    body = {**sim.body, "status": sim.status.to_wire()}
+    api = RecordingApi(refuse_creates=True)
+    status = await Reconciler(api, clock=lambda: NOW, nats=NoNats())._pass(body, [], LOG)  # type: ignore[arg-type]
+    writes = [call for call in api.calls if call[0] == "status"]
+    assert len(writes) == 2, api.calls
+    assert "ChildCreateFailed" not in writes[0] and "ChildCreateFailed" in writes[1], writes
+    assert status.condition(C.COND_CREATED).reason == "ChildCreateFailed"
