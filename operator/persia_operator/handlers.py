@@ -171,6 +171,7 @@ def register(
         while True:
             await asyncio.sleep(config.reconcile_interval)
             keys = list(indexes.get("persia_persiajobs") or {})
+            reconciler.keep_only(set(keys))  # deleted jobs: their NATS probes, gauge entries, locks
             results = await asyncio.gather(*(one(ns, name) for ns, name in keys), return_exceptions=True)
             failures = failed_passes(keys, results)
             for (namespace, name), err in failures.items():

@@ -140,6 +140,10 @@ class NatsWatcher:
             self._tasks[key] = asyncio.get_running_loop().create_task(self._loop(key), name=f"nats-probe-{key}")
         return self._latest.get(key)
 
+    def keys(self) -> set[tuple[str, str]]:
+        """The jobs probed now."""
+        return set(self._targets) | set(self._tasks)
+
     def forget(self, key: tuple[str, str]) -> None:
         task = self._tasks.pop(key, None)
         if task is not None:

@@ -42,6 +42,9 @@ class PhaseCounts:
     def __init__(self) -> None:
         self._phases: dict[tuple[str, str], str] = {}
 
+    def keys(self) -> set[tuple[str, str]]:
+        return set(self._phases)
+
     def set(self, key: tuple[str, str], phase: str | None) -> None:
         if phase is None:
             self._phases.pop(key, None)

@@ -112,6 +112,18 @@ class Reconciler:
             self.passes += 1
             return status
 
+    def keep_only(self, jobs: set[tuple[str, str]]) -> None:
+        """Forget what is kept per job for every job not in ``jobs`` (the jobs that exist): a
+        deleted job leaves kopf's index, so no pass of it reads the 404 that forgets it, and its
+        NATS probe went on connecting, with its credentials, every 10 s for ever."""
+        for key in (set(self._locks) | self.phases.keys() | self.nats.keys()) - jobs:
+            lock = self._locks.get(key)
+            if lock is not None and lock.locked():
+                continue  # a pass of it runs now: it forgets the job itself if it is gone
+            self._locks.pop(key, None)
+            self.nats.forget(key)
+            self.phases.set(key, None)
+
     async def _pass(self, body: dict[str, Any], summaries: list[dict[str, Any]], logger: Any) -> JobStatus:
         observed = ObservedJob.from_body(body)
         meta = observed.metadata

@@ -101,3 +101,30 @@ async def test_child_errors_are_written_after_the_decision_they_follow():
     assert len(writes) == 2, api.calls
     assert "ChildCreateFailed" not in writes[0] and "ChildCreateFailed" in writes[1], writes
     assert status.condition(C.COND_CREATED).reason == "ChildCreateFailed"
+
+
+async def test_a_deleted_job_is_forgotten_with_its_nats_probe():
+    """A deleted job leaves kopf's index, so no pass of it reads the 404 that forgets it: the
+    periodic loop keeps only the jobs it lists. Its NATS probe (real, against a port that
+    refuses) had gone on connecting with the job's credentials every 10 s."""
+    import asyncio
+
+    from persia_operator.natswatch import NatsTarget, NatsWatcher
+
+    from tests.ports import refusing_port
+
+    with refusing_port() as port:
+        reconciler = Reconciler(RecordingApi(), clock=lambda: NOW, nats=NatsWatcher(interval=0.05))  # type: ignore[arg-type]
+        gone, kept, busy = ("ns1", "deleted"), ("ns1", "kept"), ("ns1", "in-a-pass")
+        for key in (gone, kept, busy):
+            reconciler.nats.observe(key, NatsTarget(job=key[1], url=f"nats://127.0.0.1:{port}", password="pw"))
+            reconciler.phases.set(key, "Running")
+            reconciler._locks[key] = asyncio.Lock()
+        probe = reconciler.nats._tasks[gone]
+        async with reconciler._locks[busy]:  # a pass of it runs now: it is left to that pass
+            reconciler.keep_only({kept})
+        assert reconciler.nats.keys() == {kept, busy} and reconciler.phases.keys() == {kept, busy}
+        assert set(reconciler._locks) == {kept, busy}
+        await asyncio.gather(probe, return_exceptions=True)
+        assert probe.cancelled()
+        await reconciler.close()
