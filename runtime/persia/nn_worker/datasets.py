@@ -308,9 +308,25 @@ class StreamingDataset(IterableDatasetBase):
             self._room.wake_all()
         return item
 
-    def source(self, bus, rank: int, timeout_s: float, owner=None) -> Iterator[dict]:
-        """Messages in arrival order, until the stream (or this epoch) ends. ``owner``: the
-        context whose training session this is (the stream's state lives with it)."""
+    def _take_unless(self, stop, timeout_s: float) -> tuple | None:
+        """``_take``, or None once ``stop`` (an Event) is set: looked at every 0.2 s."""
+        if stop is None:
+            return self._take(timeout_s)
+        end = time.monotonic() + timeout_s
+        while not stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                raise queue.Empty
+            try:
+                return self._take(min(left, 0.2))
+            except queue.Empty:
+                continue
+        return None
+
+    def source(self, bus, rank: int, timeout_s: float, owner=None, stop=None) -> Iterator[dict]:
+        """Messages in arrival order, until the stream (or this epoch) ends, or ``stop`` (an
+        Event) is set: a loop closed early, whose unconsumed messages the next view gets.
+        ``owner``: the context whose training session this is (the stream's state lives with it)."""
         state = self._register(bus, rank, owner)
         if self.until == "epoch":
             self.epoch = state.next_epoch
@@ -321,9 +337,12 @@ class StreamingDataset(IterableDatasetBase):
                     kind, msg = pending.pop(0)
                 else:
                     try:
-                        kind, msg = self._take(timeout_s)
+                        taken = self._take_unless(stop, timeout_s)
                     except queue.Empty:
                         raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:.0f}s ({self._waiting(state)})") from None
+                    if taken is None:
+                        return  # closed early: not the end of the stream (nor of this epoch)
+                    kind, msg = taken
                 if kind == "eos":
                     self._on_end(state, msg)
                     continue

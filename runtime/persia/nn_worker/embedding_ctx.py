@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from enum import Enum
 from typing import Any
@@ -51,6 +52,9 @@ def inherited_device_id(device_id: int | None, enclosing: BaseCtx | None) -> int
     return enclosing.device_id
 
 
+LOOP_CLOSE_WAIT_S = 30.0  # how long a context's exit waits for the lookups of a loop left early
+
+
 class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     """Looks embeddings up and prepares tensors for ``model(non_id_tensors, embedding_tensors)``."""
 
@@ -87,6 +91,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         self._load_error: BaseException | None = None
         self._permits: threading.BoundedSemaphore | None = None
         self._nn_info_sub = None
+        self._live_loaders: weakref.WeakSet = weakref.WeakSet()  # DataLoader loops, closed at exit
         self._spans: list = []
 
     def __enter__(self):
@@ -128,6 +133,11 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             self.model.to(self.device)
 
     def _exit(self, exc: BaseException | None) -> None:
+        for loop in list(self._live_loaders):  # a loop left early: its threads end, its batches counted
+            loop.close()
+            if not loop.wait_closed(LOOP_CLOSE_WAIT_S):
+                log.warning("a DataLoader loop left early still had lookups running after %gs at the context's "
+                            "exit; their batches are counted when they end", LOOP_CLOSE_WAIT_S)
         try:
             self._finish_background(exc)
         finally:

@@ -21,7 +21,7 @@ import numbers
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Iterator
 
 import numpy as np
@@ -120,11 +120,21 @@ class DataLoader:
         if ctx is None or not hasattr(ctx, "_lookup_message"):
             where = "outside any context" if ctx is None else f"inside a {type(ctx).__name__}"
             raise ContextRequired(f"iterate a persia DataLoader inside a TrainCtx / eval_ctx / InferCtx block, not {where}")
-        return _LoaderIterator(self, ctx)
+        return _closing(_LoaderIterator(self, ctx))
 
     def __len__(self) -> int:
         raise TypeError("a streaming DataLoader has no length")
 
+
+def _closing(it: "_LoaderIterator") -> Iterator[PersiaTrainingBatch]:
+    """The batches of ``it``; a loop that leaves early (``break``, an exception) drops this
+    generator, and its ``finally`` closes the pipeline at once. ``it`` itself stays referenced by
+    its dispatcher thread, so without this its threads and subscriptions lived on, one set per
+    loop left."""
+    try:
+        yield from it
+    finally:
+        it.close()
 
 
 class _LoaderIterator:
@@ -134,6 +144,9 @@ class _LoaderIterator:
         self._out: queue.Queue = queue.Queue(maxsize=loader.forward_buffer_size)
         self._pool = ThreadPoolExecutor(max_workers=loader.num_workers, thread_name_prefix="persia-forward")
         self._stop = threading.Event()
+        self._abandoned = threading.Event()  # closed before its end: stop pulling from the stream
+        self._lookups: set[Future] = set()  # started, not yet done (waited for when closed)
+        self._lookups_lock = threading.Lock()
         self._done = False
         self.streaming = isinstance(loader.dataset, StreamingDataset)
         # the outermost NN-worker context of this thread: a TrainCtx and the eval_ctx inside it
@@ -164,6 +177,34 @@ class _LoaderIterator:
         self._last_next: float | None = None
         self._thread = threading.Thread(target=self._dispatch, name="persia-dispatch", daemon=True)
         self._thread.start()
+        live = getattr(ctx, "_live_loaders", None)
+        if live is not None:  # closed at the context's exit if the loop left it open
+            live.add(self)
+
+    def close(self) -> None:
+        """Stop a pipeline whose loop left before the end: the dispatcher pulls nothing more (the
+        stream's unconsumed batches wait for the next loop over it), batches it pulled are handed
+        back and counted ``abandoned`` (``_discard_future``), and its threads end. Nothing after
+        the end."""
+        if self._done:
+            return
+        self._abandoned.set()
+        self._finish()
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        """After :meth:`close`: wait (bounded) until its dispatcher and every lookup it started
+        have ended, so each batch it pulled is handed back and counted; False if some did not."""
+        end = time.monotonic() + timeout_s
+        self._thread.join(max(0.0, end - time.monotonic()))
+        with self._lookups_lock:
+            pending = list(self._lookups)
+        _, not_done = wait(pending, timeout=max(0.0, end - time.monotonic()))
+        if not_done:
+            return False
+        # a future's waiters wake before its callbacks (the count of a batch handed back) run:
+        # the pool's threads end once those have, and no work is left to keep them
+        self._pool.shutdown(wait=True)
+        return not self._thread.is_alive()
 
     def _steps(self) -> int:
         """The context's training steps (``TrainCtx.step``: a resumed job goes on with its ramp)."""
@@ -173,7 +214,8 @@ class _LoaderIterator:
     def _source(self) -> Iterator[Any]:
         ds = self.loader.dataset
         if self.streaming:
-            src = ds.source(self.ctx.bus, self.ctx.rank, self.loader.timeout_s, owner=self._session)
+            src = ds.source(self.ctx.bus, self.ctx.rank, self.loader.timeout_s, owner=self._session,
+                            stop=self._abandoned)
             if self.loader.reproducible:
                 src = _reordered(src, self.ctx.rank, self.ctx.world_size)
             return src
@@ -220,6 +262,7 @@ class _LoaderIterator:
         return self.ctx._dispatched(item, target), holds_permit, transferred
 
     def _dispatch(self) -> None:
+        source = None
         try:
             source = self._source()
             carry: Any = None  # an item read ahead for a group that did not join it
@@ -229,6 +272,8 @@ class _LoaderIterator:
                     break
                 if self._stop.is_set():
                     self._release_unlooked(item)
+                    if self._abandoned.is_set():
+                        break
                     continue
                 if not isinstance(item, dict):
                     self._put(self._pool.submit(self._direct_lookup, item))
@@ -260,24 +305,53 @@ class _LoaderIterator:
             failed.pipeline_failure = True  # type: ignore[attr-defined] - not a batch's lookup
             self._put(failed, force=True)
             return
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:  # a stream's view: unsubscribes, keeps what it did not yield
+                close()
+            if self._abandoned.is_set():  # nobody reads the queue again: hand its batches back
+                self._drain_abandoned()
         self._put(_END, force=True)
+
+    def _drain_abandoned(self) -> None:
+        while True:
+            try:
+                fut = self._out.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(fut, Future) and not getattr(fut, "pipeline_failure", False):
+                fut.add_done_callback(self._discard_future)
 
     def _submit(self, group: list[tuple[dict, bool, Any]]) -> None:
         """One lookup task for ``group`` (``(message, holds_permit, transferred update)`` each),
         and its batches' futures in stream order."""
-        if len(group) == 1:
-            item, holds_permit, transferred = group[0]
-            futures = [self._pool.submit(self._timed_lookup, item, holds_permit, transferred)]
-        else:
-            futures = [Future() for _ in group]
-            task = self._pool.submit(self._timed_lookup_group, group, futures)
-            task.add_done_callback(lambda t, fs=futures: _settle(t, fs))
+        try:
+            if len(group) == 1:
+                item, holds_permit, transferred = group[0]
+                futures = [self._pool.submit(self._timed_lookup, item, holds_permit, transferred)]
+            else:
+                futures = [Future() for _ in group]
+                task = self._pool.submit(self._timed_lookup_group, group, futures)
+                task.add_done_callback(lambda t, fs=futures: _settle(t, fs))
+        except RuntimeError:  # the pool was shut down meanwhile: the pipeline stops
+            if not self._stop.is_set():
+                raise
+            for item, _holds, _transferred in group:  # pulled, never looked up: handed back, counted
+                self._release_unlooked(item)
+            return
         for (item, _holds, transferred), fut in zip(group, futures):
             fut.batch_loader = item.get("loader")  # type: ignore[attr-defined] - whose position a failure moves
             if transferred is not None:  # a lookup cancelled at shutdown still applies it
                 fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
+        with self._lookups_lock:
+            self._lookups.update(futures)
         for fut in futures:
+            fut.add_done_callback(self._lookup_done)
             self._put(fut)
+
+    def _lookup_done(self, fut: Future) -> None:
+        with self._lookups_lock:
+            self._lookups.discard(fut)
 
     def _timed_lookup_group(self, group: list[tuple[dict, bool, Any]], futures: list[Future]) -> None:
         """A group's lookup in one call; each batch's future gets its batch or its own error."""
@@ -312,18 +386,22 @@ class _LoaderIterator:
 
     def _put(self, item: Any, force: bool = False) -> None:
         while True:
+            if self._abandoned.is_set():  # nobody reads the queue again
+                if isinstance(item, Future) and not getattr(item, "pipeline_failure", False):
+                    item.add_done_callback(self._discard_future)
+                return
             try:
                 self._out.put(item, timeout=0.5)
                 return
             except queue.Full:
-                if self._stop.is_set() and not force:
+                if self._stop.is_set() and (not force or self._abandoned.is_set()):  # nobody reads on
                     if isinstance(item, Future):  # looked up but nobody will train it: hand back
                         item.add_done_callback(self._discard_future)
                     return
 
     def _discard_future(self, fut: Future) -> None:
         ACCOUNT.fail("abandoned")
-        if fut.exception() is None:
+        if not fut.cancelled() and fut.exception() is None:
             self._discard(fut.result())
 
     def _release_unlooked(self, item: Any) -> None:

@@ -46,6 +46,11 @@ class BatchReorderer:
 
 def _reordered(source: Iterator[dict], rank: int, world_size: int) -> Iterator[dict]:
     r = BatchReorderer(rank, world_size)
-    for msg in source:
-        yield from r.push(int(msg["batch_id"]), msg)
-    yield from r.drain()  # stream ended: everything still held is in order
+    try:
+        for msg in source:
+            yield from r.push(int(msg["batch_id"]), msg)
+        yield from r.drain()  # stream ended: everything still held is in order
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:  # a loop closed early: the stream's view unsubscribes now
+            close()
