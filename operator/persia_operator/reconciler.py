@@ -221,7 +221,8 @@ class Reconciler:
                     continue
                 kind, name = action.key if isinstance(action, Create) else (action.kind, action.name)
                 logger.warning(f"{type(action).__name__} {kind}/{name} failed: {err}")
-                errors.append(ChildError(kind, name, err.code, f"{err.code} {err.reason}: {err.message}"))
+                errors.append(ChildError(kind, name, err.code, f"{err.code} {err.reason}: {err.message}",
+                                         action="patch" if isinstance(action, Patch) else "create"))
                 opmetrics.CHILD_ERRORS.labels(kind=kind, code=str(err.code)).inc()
         return errors
 

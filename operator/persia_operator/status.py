@@ -51,6 +51,7 @@ class ChildError:
     name: str
     code: int | None
     message: str
+    action: str = "create"  # or "patch": a change to a child that exists (a serving resize)
 
     @property
     def permanent(self) -> bool:
@@ -278,9 +279,13 @@ class _Pass:
     def created(self, spec: PersiaJobSpec, errors: Sequence[ChildError]) -> list[str]:
         """Created (and ChildCreateFailed); returns the missing children."""
         missing = missing_children(PersiaJob(metadata=self.job.metadata, spec=spec, status=self.st), self.children)
-        auxiliary = [e for e in errors if e.kind in AUXILIARY_KINDS]
-        errors = [e for e in errors if e.kind not in AUXILIARY_KINDS]
-        note = "; ".join(f"{e.kind}/{e.name} not created ({e.message}): the job runs without it" for e in auxiliary)
+        auxiliary = [e for e in errors if e.kind in AUXILIARY_KINDS and e.action == "create"]
+        # a refused change to a running child (a resize) fails nothing: it runs as it was
+        patches = [e for e in errors if e.action == "patch"]
+        errors = [e for e in errors if e.kind not in AUXILIARY_KINDS and e.action == "create"]
+        note = "; ".join([*(f"{e.kind}/{e.name} not created ({e.message}): the job runs without it" for e in auxiliary),
+                          *(f"{e.kind}/{e.name} not changed ({e.message}): it runs as it was, retried next pass"
+                            for e in patches)])  # fmt: skip
         permanent = [e for e in errors if e.permanent]
         if permanent:
             self.cond(C.COND_FAILED, True, "ChildCreateFailed",

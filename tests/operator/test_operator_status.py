@@ -282,6 +282,19 @@ def test_child_create_errors(code, terminal):
         assert cond(st, C.COND_FAILED) == ("True", "ChildCreateFailed")
 
 
+@pytest.mark.parametrize("code", [422, 400, 500])
+def test_a_refused_resize_leaves_the_running_job_as_it_was(code):
+    """A resize (the serving Deployment's patch) that admission refuses with 422 failed the job
+    (ChildCreateFailed) and cleanup deleted its running workloads."""
+    sim = Sim(job_body(trainingMode="online")).running()
+    errors = [ChildError("Deployment", "demo-model-server", code, f"{code} Invalid: replicas over quota",
+                         action="patch")]
+    st = sim.step(sim.children(), errors=errors)
+    assert st.terminal() is None and st.phase == "Running"
+    assert cond(st, C.COND_CREATED)[0] == "True"
+    assert "Deployment/demo-model-server not changed" in st.condition(C.COND_CREATED).message
+
+
 def test_transition_time_moves_only_on_flip():
     sim = Sim()
     first = sim.step()
