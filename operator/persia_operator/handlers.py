@@ -101,6 +101,16 @@ def failure_event(err: BaseException) -> JobEvent:
     return JobEvent("Warning", "ReconcileFailed", message[:1024])
 
 
+API_ERRORS_BEFORE_EVENT = 3  # consecutive passes ending in an API error before the job shows it
+
+
+def api_error_streaks(prev: Mapping[JobKey, int], keys: Sequence[JobKey], results: Sequence[object]) -> dict[JobKey, int]:
+    """Consecutive passes per job that ended in an API error (returned, not raised: a
+    transient one is only logged). One that persists (403 until RBAC is fixed, a status the
+    server refuses, an API that stays down) must show on the job, not only in the log."""
+    return {key: prev.get(key, 0) + 1 for key, result in zip(keys, results, strict=True) if isinstance(result, ApiError)}
+
+
 def events_due(reported: Mapping[JobKey, str], failing: Mapping[JobKey, str]) -> list[JobKey]:
     """Jobs whose failure is news (a first failure, or a different error): one event
     each, not one per pass every reconcile_interval."""
@@ -163,20 +173,29 @@ def register(
         limit = asyncio.Semaphore(8)
         log = logging.getLogger("persia_operator")
 
-        async def one(namespace: str, name: str) -> None:
+        async def one(namespace: str, name: str) -> ApiError | None:
             async with limit:
-                await reconcile(namespace, name, log, indexes)
+                try:
+                    await reconciler.reconcile(namespace, name, collect_summaries(indexes, namespace, name), log)
+                except ApiError as err:  # transient until it persists (api_error_streaks)
+                    log.warning(f"Reconcile of {namespace}/{name} failed, will retry: {err}")
+                    return err
+                return None
 
         reported: dict[JobKey, str] = {}  # event message last posted per failing job
+        streaks: dict[JobKey, int] = {}  # consecutive passes per job that ended in an API error
         while True:
             await asyncio.sleep(config.reconcile_interval)
             keys = list(indexes.get("persia_persiajobs") or {})
             reconciler.keep_only(set(keys))  # deleted jobs: their NATS probes, gauge entries, locks
             results = await asyncio.gather(*(one(ns, name) for ns, name in keys), return_exceptions=True)
-            failures = failed_passes(keys, results)
+            streaks = api_error_streaks(streaks, keys, results)
+            failures = failed_passes(keys, [None if isinstance(r, ApiError) else r for r in results])
             for (namespace, name), err in failures.items():
                 # Also counted (by the Reconciler) in persia_operator_reconcile_total{result="error"}.
                 log.error(f"Reconcile of {namespace}/{name} failed, will retry next pass: {err!r}", exc_info=err)
+            by_key = dict(zip(keys, results, strict=True))
+            failures.update({key: by_key[key] for key, n in streaks.items() if n >= API_ERRORS_BEFORE_EVENT})
             failing = {key: failure_event(err).message for key, err in failures.items()}
             for key in events_due(reported, failing):
                 if not await post_failure_event(key, failure_event(failures[key]), log):

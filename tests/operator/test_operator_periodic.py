@@ -14,7 +14,9 @@ from operator_testkit import job_body, wait_for
 
 from persia_operator import constants as C
 from persia_operator.events import JobEvent
-from persia_operator.handlers import events_due, failed_passes, failure_event
+from persia_operator.handlers import (API_ERRORS_BEFORE_EVENT, api_error_streaks, events_due, failed_passes,
+                                      failure_event)
+from persia_operator.kube import ApiError
 
 NS = "ns1"
 
@@ -32,6 +34,16 @@ def test_failure_event_is_a_short_warning():
                              "Reconcile failed, retried every pass: KeyError: 'replicaStatuses'")  # fmt: skip
     long = failure_event(ValueError("first line\nsecond line" + "x" * 5000))
     assert "second line" not in long.message and len(long.message) <= 1024
+
+
+def test_api_error_streaks_count_consecutive_failed_passes():
+    a, b = ("ns", "a"), ("ns", "b")
+    err = ApiError(403, "Forbidden", "persiajobs/status")
+    streaks = api_error_streaks({}, [a, b], [err, None])
+    assert streaks == {a: 1}
+    streaks = api_error_streaks(streaks, [a, b], [err, err])
+    assert streaks == {a: 2, b: 1}
+    assert api_error_streaks(streaks, [a, b], [None, err]) == {b: 2}  # a pass that works resets it
 
 
 def test_events_due_only_for_new_or_changed_failures():
@@ -71,3 +83,25 @@ async def test_a_failing_job_is_logged_and_reported_and_the_others_go_on(cluster
     assert events[0]["type"] == "Warning" and events[0]["involvedObject"]["name"] == "bad"
     assert events[0]["involvedObject"]["uid"] == bad_uid
     assert "KeyError" in events[0]["message"]
+
+
+async def test_an_api_error_that_persists_is_reported_on_the_job(cluster, operator, caplog):
+    """An API error is transient until it persists: logged as a warning each pass, and after
+    API_ERRORS_BEFORE_EVENT passes in a row one Warning event on the job (it was only logged:
+    a job whose status the server refused for ever showed nothing)."""
+    caplog.set_level(logging.INFO, logger="persia_operator")
+    await cluster.create(job_body("denied"))
+    await wait_for(lambda: cluster.condition(NS, "denied", C.COND_CREATED), what="denied created")
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def forbidden(body, summaries, logger):
+        calls[body["metadata"]["name"]] += 1
+        raise ApiError(403, "Forbidden", 'persiajobs.persia.com "denied" is forbidden: cannot patch persiajobs/status')
+
+    operator._pass = forbidden
+    await wait_for(lambda: calls["denied"] >= API_ERRORS_BEFORE_EVENT + 1, what="passes that keep failing")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "ns1/denied" in r.getMessage()]
+    assert len(warnings) >= API_ERRORS_BEFORE_EVENT
+    events = [e for e in cluster.events(NS) if e.get("reason") == "ReconcileFailed"]
+    assert len(events) == 1, events
+    assert "ApiError: 403 Forbidden" in events[0]["message"] and events[0]["involvedObject"]["name"] == "denied"
