@@ -404,6 +404,9 @@ class EmbeddingParameterServerConfig(_Section):
     enable_incremental_update: bool = False
     incremental_buffer_size: PositiveInt = 1_000_000
     incremental_dir: str = "/workspace/incremental_dir/"
+    # A training PS deletes its packets older than this after each one it writes (0: never, as
+    # PERSIA did, and the directory grows by a packet every incremental_buffer_size changed rows).
+    incremental_retention_seconds: Annotated[float, Field(ge=0)] = 86_400.0
     # PERSIA parsed this but never used it; kept (None when absent) so nothing given is lost.
     incremental_channel_capacity: Optional[PositiveInt] = None
 

@@ -16,6 +16,7 @@ from persia.embedding_ps.incremental import (
     IncrementalDumper,
     apply_incremental_updates,
     complete_packets,
+    packet_time,
 )
 from persia.hashing import PS_SHARD_SALT, shard_of
 
@@ -147,3 +148,36 @@ def test_bad_arguments():
         IncrementalDumper(EmbeddingStore(10), "unused", 0, 0)
     with pytest.raises(ValueError, match=r"replica_index 2 is not in \[0, replica_size=2\)"):
         IncrementalApplier(EmbeddingStore(10), "unused", 2, 2)
+
+
+def test_packets_older_than_the_retention_are_deleted_and_forgotten(tmp_path):
+    """PERSIA kept every packet (a packet per incremental_buffer_size changed rows, until the disk
+    filled), and the inference side remembered and listed every name for ever."""
+    store, dumper = _trainer(0, 1, tmp_path, buffer_size=10**6)
+    dumper.retention_s = 3600.0
+    server = EmbeddingStore(10_000, 2)
+    applier = IncrementalApplier(server, tmp_path, 0, 1)
+    try:
+        signs = np.arange(50, dtype=np.uint64)
+        store.lookup(signs, 4, True)
+        store.update(signs, np.ones((50, 4), np.float32))
+        dumper.flush()
+        [first] = complete_packets(tmp_path)
+        assert applier.poll() == 50
+        # as if written two hours ago (the name carries the time), and another replica's old one
+        old = first.with_name("inc_20200101000000_000000_000001")
+        first.rename(old)
+        others = tmp_path / "s1" / "inc_20200101000000_000000_000001"
+        others.mkdir(parents=True)
+        assert applier.poll() == 50  # the renamed packet is new to it: applied again, harmlessly
+        store.update(signs, np.ones((50, 4), np.float32))
+        dumper.flush()  # writes a packet, then deletes its own older than an hour
+        remaining = list((tmp_path / "s0").iterdir())
+        assert len(remaining) == 1 and remaining[0].name != old.name and not old.exists()
+        assert others.exists() and dumper.packets_deleted == 1  # another replica's are its own to delete
+        applier.poll()
+        assert len(applier.applied) == 1 and applier.packets_applied == 3  # the deleted one forgotten, still counted
+    finally:
+        dumper.close()
+    assert packet_time("inc_20200101000000_000001_000007") == pytest.approx(1577836800.000001)
+    assert packet_time("dim_4_part_0.inc") is None and packet_time("inc_2020_x_1") is None

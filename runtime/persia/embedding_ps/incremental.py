@@ -13,6 +13,13 @@ The packet name is taken once per packet (PERSIA took it per chunk, so chunks co
 directories). Rows carry their current weights and optimizer state; evicted rows are skipped
 (deletions are not shipped, as in PERSIA).
 
+Packets are kept ``retention_s`` (``incremental_retention_seconds``, default a day): after each
+packet it writes, a training PS deletes its own older ones (PERSIA kept them all: a packet per
+``incremental_buffer_size`` changed rows, about 136 MB at dim 16, until the disk filled). An
+inference PS that falls further behind than that misses the deleted packets' rows until they change
+again or it loads a newer checkpoint; it forgets the packets that are gone, so what it remembers and
+scans stays bounded too.
+
 Failures are not silent: a packet that cannot be written (disk full, an NFS hiccup) keeps its rows
 pending for the next packet (at most ``max_retained`` of them) and is counted in
 ``write_failures``; ``flush`` and ``close`` raise while rows are left unshipped. An inference PS
@@ -82,6 +89,7 @@ class IncrementalDumper:
         attach: bool = True,
         fsync: bool = True,
         max_retained: int | None = None,
+        retention_s: float = 0.0,
     ):
         if buffer_size <= 0:
             raise ValueError(f"incremental_buffer_size must be positive, got {buffer_size}")
@@ -92,6 +100,8 @@ class IncrementalDumper:
         self.num_workers = max(1, int(num_workers))
         self.fsync = fsync
         self.max_retained = max(1, int(max_retained or max(4 * self.buffer_size, 1 << 20)))
+        self.retention_s = float(retention_s)  # 0: keep every packet
+        self.packets_deleted = 0
         self.packets_written = 0
         self.rows_written = 0
         self.write_failures = 0  # packets that could not be written (their rows stay pending)
@@ -255,7 +265,35 @@ class IncrementalDumper:
             raise
         self.packets_written += 1
         self.rows_written += rows
+        if self.retention_s > 0:
+            self._delete_older_than(now.timestamp() - self.retention_s)
         return pdir
+
+    def _delete_older_than(self, cutoff_unix: float) -> None:
+        """Remove this replica's packets created before ``cutoff_unix`` (by their names: no
+        manifest is read). A failure is logged; the next packet's round tries again."""
+        for packet in sorted(self.directory.glob("inc_*")):
+            created = packet_time(packet.name)
+            if created is None or created >= cutoff_unix:
+                continue
+            try:
+                shutil.rmtree(packet)
+            except OSError as exc:
+                log.warning("incremental packet %s not deleted after its retention: %s", packet, exc)
+                continue
+            self.packets_deleted += 1
+
+
+def packet_time(name: str) -> float | None:
+    """The creation time (unix seconds, UTC) in a packet directory's name, None for another name."""
+    parts = name.split("_")
+    if len(parts) != 4 or parts[0] != "inc":
+        return None
+    try:
+        stamp = _dt.datetime.strptime(parts[1], "%Y%m%d%H%M%S").replace(tzinfo=_dt.timezone.utc)
+        return stamp.timestamp() + int(parts[2]) / 1e6
+    except ValueError:
+        return None
 
 
 def complete_packets(incremental_dir: str | Path) -> list[Path]:
@@ -304,8 +342,9 @@ class IncrementalApplier:
         self.directory = Path(incremental_dir)
         self.replica_index = replica_index
         self.replica_size = replica_size
-        self.applied: set[str] = set()
+        self.applied: set[str] = set()  # of the packets still there (pending() prunes the rest)
         self.rejected: set[str] = set()
+        self.packets_applied = self.packets_rejected = 0  # since start, deleted packets included
         self.rows_applied = 0
         self.last_delay_sec: float | None = None  # PERSIA's inc_update_delay_sec
         self.dir_missing = False  # as of the latest poll
@@ -313,8 +352,14 @@ class IncrementalApplier:
         self._thread: threading.Thread | None = None
 
     def pending(self) -> list[Path]:
+        """The complete packets not applied (nor rejected) yet. Packets deleted after their
+        retention are forgotten, so the sets stay as small as the directory."""
+        packets = complete_packets(self.directory)
+        present = {str(p.relative_to(self.directory)) for p in packets}
+        self.applied &= present
+        self.rejected &= present
         seen = self.applied | self.rejected
-        return [p for p in complete_packets(self.directory) if str(p.relative_to(self.directory)) not in seen]
+        return [p for p in packets if str(p.relative_to(self.directory)) not in seen]
 
     def poll(self) -> int:
         """Apply every new complete packet; returns the number of rows written."""
@@ -327,11 +372,13 @@ class IncrementalApplier:
             except (ckpt.CheckpointError, OSError) as exc:
                 log.error("incremental packet %s rejected: %s", packet, exc)
                 self.rejected.add(key)
+                self.packets_rejected += 1
                 continue
             for dim, part in by_dim.items():
                 if part.signs.shape[0]:
                     written += self.store.upsert(part.signs, dim, part.weights, part.state, part.state_code)
             self.applied.add(key)
+            self.packets_applied += 1
             if created:
                 self.last_delay_sec = max(0.0, _dt.datetime.now(_dt.timezone.utc).timestamp() - created)
         self.rows_applied += written

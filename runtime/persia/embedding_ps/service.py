@@ -63,7 +63,8 @@ class EmbeddingParameterServer:
             from persia.embedding_ps.incremental import IncrementalDumper
 
             self.incremental = IncrementalDumper(
-                self.store, pc.incremental_dir, replica_index, pc.incremental_buffer_size, self.num_workers
+                self.store, pc.incremental_dir, replica_index, pc.incremental_buffer_size, self.num_workers,
+                retention_s=pc.incremental_retention_seconds,
             )
         # what gRPC serves, and what an embedding worker in this process calls directly
         # (persia.embedding_worker.colocated)
@@ -247,14 +248,15 @@ class EmbeddingParameterServer:
         out["replica_size"] = self.replica_size
         applier, dumper = getattr(self, "applier", None), getattr(self, "incremental", None)  # early scrapes
         if applier is not None:  # inference PS: how fresh the served embeddings are
-            out["incremental_packets_applied"] = len(applier.applied)
-            out["incremental_packets_rejected"] = len(applier.rejected)
+            out["incremental_packets_applied"] = applier.packets_applied
+            out["incremental_packets_rejected"] = applier.packets_rejected
             out["incremental_rows_applied"] = applier.rows_applied
             out["incremental_dir_missing"] = int(applier.dir_missing)  # 1: serving frozen embeddings
             if applier.last_delay_sec is not None:
                 out["incremental_delay_seconds"] = applier.last_delay_sec
         if dumper is not None:  # training PS: what it shipped
             out["incremental_packets_written"] = dumper.packets_written
+            out["incremental_packets_deleted"] = dumper.packets_deleted  # after incremental_retention_seconds
             out["incremental_rows_written"] = dumper.rows_written
             out["incremental_write_failures"] = dumper.write_failures  # their rows are retried
             out["incremental_rows_dropped"] = dumper.rows_dropped
