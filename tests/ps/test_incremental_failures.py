@@ -124,6 +124,23 @@ def test_rows_kept_for_a_retry_are_bounded(tmp_path, monkeypatch, caplog):
     assert dumper.rows_written == 8 and dumper.write_failures == 1
 
 
+def test_changes_pending_while_no_packet_is_written_stay_bounded(tmp_path, caplog):
+    """While no packet is written (a write that hangs; here the buffer is never reached), every
+    update's signs were kept, copies included, until memory ran out: they are deduplicated in
+    place, and past max_retained distinct signs the rest are dropped, logged and counted."""
+    store, dumper = _trainer(tmp_path, buffer_size=10**6, max_retained=8, attach=False)
+    try:
+        for _ in range(100):  # the same 5 rows updated again and again
+            dumper.record(np.arange(5, dtype=np.uint64), 4)
+        assert dumper._pending_count <= 2 * 8 and dumper.rows_dropped == 0
+        with caplog.at_level(logging.ERROR, logger=LOGGER):
+            for i in range(10):
+                dumper.record(np.arange(100 + 10 * i, 110 + 10 * i, dtype=np.uint64), 4)
+        assert dumper._pending_count <= 2 * 8 and dumper.rows_dropped > 0 and "changed signs dropped" in caplog.text
+    finally:
+        dumper.close()
+
+
 def test_a_missing_incremental_dir_is_logged_once_per_change(tmp_path, caplog):
     directory = tmp_path / "typo"
     applier = IncrementalApplier(EmbeddingStore(10), directory, 0, 1)

@@ -135,8 +135,20 @@ class IncrementalDumper:
                 return
             self._pending.setdefault(int(dim) if dim else _ANY_DIM, []).append(signs.copy())
             self._pending_count += signs.shape[0]
+            if self._pending_count > 2 * self.max_retained:  # the writer is stuck (a hung mount)
+                self._compact_pending()
             if self._pending_count >= self._next_check:
                 self._cond.notify_all()
+
+    def _compact_pending(self) -> None:
+        """Under the lock, while a write hangs: the pending signs deduplicated, and beyond
+        ``max_retained`` distinct ones dropped (logged, counted in ``rows_dropped``): an update
+        stream of a million IDs a second kept every copy until memory ran out."""
+        batch = {d: np.unique(np.concatenate(arrs)) for d, arrs in self._pending.items() if arrs}
+        distinct = sum(a.shape[0] for a in batch.values())
+        kept, distinct = self._bound(batch, distinct)
+        self._pending = {d: [a] for d, a in kept.items()}
+        self._pending_count = distinct
 
     def flush(self, timeout: float | None = 60.0) -> None:
         """Write whatever is pending now and wait until it is on disk; a RuntimeError if that write
