@@ -26,11 +26,14 @@ pytestmark = pytest.mark.integration
 BATCHES = 12
 
 
-def pipeline_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith(("persia-dispatch", "persia-forward"))]
+def pipeline_threads(before: frozenset = frozenset()) -> list[str]:
+    """The DataLoader pipelines' threads alive now, but for those in ``before``."""
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith(("persia-dispatch", "persia-forward")) and t not in before]
 
 
 def test_a_loop_left_early_stops_its_pipeline_and_the_next_loop_gets_the_rest(persia_env):
+    before = frozenset(threading.enumerate())  # an earlier test's, ending on their own time
     with cluster():
         loader_stream.reset()
 
@@ -53,7 +56,7 @@ def test_a_loop_left_early_stops_its_pipeline_and_the_next_loop_gets_the_rest(pe
                 if len(first) == 2:
                     break
             # the loop's iterator is dropped at the break: its threads end, its subscriptions go
-            poll_until(lambda: not pipeline_threads(), "the left loop's threads to end", deadline_s=30)
+            poll_until(lambda: not pipeline_threads(before), "the left loop's threads to end", deadline_s=30)
             for batch in DataLoader(StreamingDataset(4), embedding_staleness=2):
                 rest.append(batch.batch_id)
                 out, labels = ctx.forward(batch)
@@ -67,4 +70,4 @@ def test_a_loop_left_early_stops_its_pipeline_and_the_next_loop_gets_the_rest(pe
     assert result["batches_sent"] == BATCHES and result["batches_trained"] == len(first) + len(rest)
     assert len(first) + len(rest) + abandoned == BATCHES, (first, rest, result)
     assert result["batches_unannounced"] == 0
-    assert not pipeline_threads()
+    assert not pipeline_threads(before)

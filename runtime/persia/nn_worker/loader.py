@@ -120,21 +120,38 @@ class DataLoader:
         if ctx is None or not hasattr(ctx, "_lookup_message"):
             where = "outside any context" if ctx is None else f"inside a {type(ctx).__name__}"
             raise ContextRequired(f"iterate a persia DataLoader inside a TrainCtx / eval_ctx / InferCtx block, not {where}")
-        return _closing(_LoaderIterator(self, ctx))
+        return _Loop(_LoaderIterator(self, ctx))
 
     def __len__(self) -> int:
         raise TypeError("a streaming DataLoader has no length")
 
 
-def _closing(it: "_LoaderIterator") -> Iterator[PersiaTrainingBatch]:
-    """The batches of ``it``; a loop that leaves early (``break``, an exception) drops this
-    generator, and its ``finally`` closes the pipeline at once. ``it`` itself stays referenced by
-    its dispatcher thread, so without this its threads and subscriptions lived on, one set per
-    loop left."""
-    try:
-        yield from it
-    finally:
-        it.close()
+class _Loop:
+    """What iterating a DataLoader returns: the batches of its pipeline. A loop that leaves early
+    (``break``, an exception) drops it, and that closes the pipeline at once: the pipeline itself
+    stays referenced by its dispatcher thread, so without this its threads and subscriptions lived
+    on, one set per loop left. Anything else is the pipeline's."""
+
+    def __init__(self, it: "_LoaderIterator"):
+        self._it = it
+
+    def __iter__(self) -> "_Loop":
+        return self
+
+    def __next__(self) -> PersiaTrainingBatch:
+        return next(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+
+    def __del__(self) -> None:
+        try:
+            self._it.close()
+        except Exception:  # noqa: BLE001 - at interpreter exit, say: nothing left to stop
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
 
 
 class _LoaderIterator:
@@ -185,11 +202,13 @@ class _LoaderIterator:
         """Stop a pipeline whose loop left before the end: the dispatcher pulls nothing more (the
         stream's unconsumed batches wait for the next loop over it), batches it pulled are handed
         back and counted ``abandoned`` (``_discard_future``), and its threads end. Nothing after
-        the end."""
-        if self._done:
+        the end. A pipeline already stopped by a failure stops pulling too (it handed back every
+        batch until the stream's end, for nobody)."""
+        if self._done and self._thread is not None and not self._thread.is_alive():
             return
         self._abandoned.set()
-        self._finish()
+        if not self._done:
+            self._finish()
 
     def wait_closed(self, timeout_s: float) -> bool:
         """After :meth:`close`: wait (bounded) until its dispatcher and every lookup it started
