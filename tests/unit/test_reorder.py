@@ -20,6 +20,21 @@ def test_reordered_stream_is_sorted_even_when_ids_are_missing():
     assert out == sorted(shuffled)
 
 
+def test_ids_that_never_come_are_given_up_on_once_enough_later_batches_wait(caplog):
+    """A resumed stream starts past its trained batches (ids 0..199 never come to this rank): every
+    batch was held, untrained, until the stream ended."""
+    r = BatchReorderer(rank=0, world_size=1, hold_limit=64)
+    released = []
+    for i in range(200, 300):
+        released += r.push(i, f"b{i}")
+        if i == 200 + 63:
+            assert released == []  # still waiting for id 0: 64 later batches held
+    assert released == [f"b{i}" for i in range(200, 300)]  # the 65th gave up on 0..199, in order from there
+    assert "batch ids 0 to 199 (every 1) not come while 65 later batches wait" in caplog.text
+    assert r.push(150, "late") == ["late"]  # one given up on that comes after all: at once
+    assert r.push(300, "b300") == ["b300"]
+
+
 def test_lookahead_depth_hides_latency_and_respects_the_limit():
     from persia.data import Lookahead
 

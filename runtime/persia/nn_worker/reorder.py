@@ -3,27 +3,49 @@
 from __future__ import annotations
 
 import heapq
+import logging
 from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+HOLD_LIMIT = 64  # later batches held for a missing id before it is given up on
 
 
 class BatchReorderer:
     """Releases batch ids in the order ``rank, rank + world_size, ...`` (reproducible mode).
 
-    Unlike PERSIA (which gave up after 1 s and lost the order), it never times out: ids that will
-    never come are known from the loaders' end-of-stream counts.
+    PERSIA gave up on a missing id after 1 s, which lost the order whenever a send was slow. Here
+    an id is waited for while fewer than ``hold_limit`` later batches wait: some ids never come
+    (a resumed stream skips its trained batches, a failed send spends its id, a restarted loader
+    counts from 0 again), and waiting for them held every later batch, in memory and untrained,
+    until the stream ended. Given up on, with a warning naming them; one that comes after all is
+    released at once, out of order.
     """
 
-    def __init__(self, rank: int, world_size: int):
+    def __init__(self, rank: int, world_size: int, hold_limit: int = HOLD_LIMIT):
         self.rank = rank
         self.world_size = world_size
+        self.hold_limit = hold_limit
         self.next_id = rank
         self._heap: list[tuple[int, int, Any]] = []
         self._seq = 0
 
     def push(self, batch_id: int, item: Any) -> list[Any]:
+        if batch_id < self.next_id:  # given up on before it came: released now, out of order
+            log.warning("reproducible mode: batch %d came after its turn (given up on); trained out of order",
+                        batch_id)
+            return [item]
         heapq.heappush(self._heap, (batch_id, self._seq, item))
         self._seq += 1
-        return self._pop_ready()
+        out = self._pop_ready()
+        if len(self._heap) > self.hold_limit:
+            first = self._heap[0][0]
+            log.warning("reproducible mode: batch ids %d to %d (every %d) not come while %d later batches wait: "
+                        "going on from %d (a resumed stream skips its trained batches; a failed send spends "
+                        "its id)", self.next_id, first - self.world_size, self.world_size, len(self._heap), first)
+            self.next_id = first
+            out += self._pop_ready()
+        return out
 
     def _pop_ready(self) -> list[Any]:
         out = []
