@@ -10,6 +10,7 @@ failure and from a missing responder.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import ssl
@@ -32,6 +33,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NATS_URL = "nats://persia_nats_service:4222"
 BUSY_MAX_BACKOFF = 0.02
+DRAIN_TIMEOUT_S = 10.0  # how long unsubscribe(drain=True) lets received messages be answered
 WAITING_REPORT_S = 30.0
 # a request retried this long (a peer not up yet, or busy) says so in the log, then every
 # WAITING_REPORT_S, so a role waiting out a 600 s discovery deadline is never silent
@@ -324,11 +326,24 @@ class NatsBus:
         self._subs.append(sub)
         return sub
 
-    def unsubscribe(self, sub: Any) -> None:
-        """Stop answering on a subscription returned by :meth:`serve`."""
-        if sub in self._subs:
-            self._subs.remove(sub)
-            self.run(sub.unsubscribe())
+    def unsubscribe(self, sub: Any, drain: bool = False, timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Stop answering on a subscription returned by :meth:`serve`. ``drain``: the messages it
+        has received are still handled and answered (within ``timeout_s``), not dropped with a
+        handler cut off mid-way: their senders waited out their whole request timeout (10 s)."""
+        if sub not in self._subs:
+            return
+        self._subs.remove(sub)
+        if drain:
+            try:
+                self.run(asyncio.wait_for(sub.drain(), timeout_s))
+                return
+            except Exception as exc:  # noqa: BLE001 - a NATS outage, a handler slower than timeout_s
+                log.warning("draining the subscription to %s: %s: %s; dropped instead", sub.subject,
+                            type(exc).__name__, exc)
+            with contextlib.suppress(Exception):  # already closed by the drain it cut short
+                self.run(sub.unsubscribe())
+            return
+        self.run(sub.unsubscribe())
 
     def subscribe_events(self, subj: str, handler: Callable[[Any], None], schema: Any = None) -> None:
         """Fire-and-forget messages (progress, notifications); handler runs on the loop thread."""

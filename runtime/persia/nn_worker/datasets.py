@@ -174,14 +174,19 @@ class StreamingDataset(IterableDatasetBase):
 
     def _close(self, bus, state: _RankStream) -> None:
         """Stop answering (a later StreamingDataset of this process takes over); whatever arrived
-        but was not consumed is kept for it, so an acknowledged batch is never dropped here."""
-        for sub in self._subs:
-            bus.unsubscribe(sub)
-        self._subs = []
+        but was not consumed is kept for it, so an acknowledged batch is never dropped here.
+        Closed first, so that offers under way answer busy at once (their senders retry, and
+        reach the next view), then the subscriptions drained: every message they received is
+        answered (cancelled mid-way, a sender waited out its 10 s request timeout, at every
+        epoch's end and every loop opened again)."""
         with self._space:
             self._closed = True
             self._space.notify_all()  # waiting offers answer at once instead of at their deadline
             self._room.wake_all()
+        for sub in self._subs:
+            bus.unsubscribe(sub, drain=True)
+        self._subs = []
+        with self._space:
             while True:
                 try:
                     state.carry.append(self._queue.get_nowait())
