@@ -7,7 +7,10 @@ Writes are create (POST) and JSON merge-patch, which every API server understand
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import random
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import quote
@@ -16,6 +19,8 @@ import aiohttp
 import kopf
 
 from . import constants as C
+
+log = logging.getLogger(__name__)
 
 # kind -> (group, version, plural) of everything the operator reads or writes.
 RESOURCES: dict[str, tuple[str, str, str]] = {
@@ -41,11 +46,33 @@ POD_GROUP_APIS = {
 class ApiError(Exception):
     """A failed API call; `code` is the HTTP status (None for a network failure)."""
 
-    def __init__(self, code: int | None, reason: str, message: str):
+    def __init__(self, code: int | None, reason: str, message: str, retry_after_s: float | None = None):
         self.code = code
         self.reason = reason
         self.message = message
+        self.retry_after_s = retry_after_s  # a 429's Retry-After
         super().__init__(f"{code} {reason}: {message}")
+
+
+RETRY_DELAYS_S = (0.2, 1.0)  # two retries of a call that failed transiently
+MAX_RETRY_AFTER_S = 5.0  # a throttling API server's Retry-After, honoured up to this
+_TRANSIENT = (429, 500, 502, 503, 504)
+
+
+def retry_delay(err: ApiError, attempt: int, jitter: float = 1.0) -> float | None:
+    """How long to wait before trying a failed call again (``attempt`` retries done so far), or
+    None: not again. Transient: a network failure (not a timeout: a second one would double a stall
+    that holds the job's pass), throttling (its Retry-After, capped) and the server's 5xx. Creates
+    are retried too: one that went through before its answer was lost is a 409, which the
+    reconciler checks against the job's uid."""
+    if attempt >= len(RETRY_DELAYS_S) or err.reason in ("NotLoggedIn", "Timeout"):
+        return None
+    if err.code is not None and err.code not in _TRANSIENT:
+        return None
+    delay = RETRY_DELAYS_S[attempt] * jitter
+    if err.code == 429 and err.retry_after_s is not None:
+        delay = max(delay, min(err.retry_after_s, MAX_RETRY_AFTER_S))
+    return delay
 
 
 def resource_path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None,
@@ -58,6 +85,15 @@ def resource_path(kind: str, namespace: str, name: str | None = None, subresourc
     if subresource is not None:
         path += f"/{subresource}"
     return path
+
+
+def _seconds(header: str | None) -> float | None:
+    """A Retry-After header's seconds (the API server sends an integer), None otherwise."""
+    try:
+        value = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value < 86_400 else None
 
 
 class KubeApi:
@@ -100,7 +136,24 @@ class KubeApi:
         return self._session, self._info.server.rstrip("/")
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                       params: dict[str, str] | None = None, retry_auth: bool = True) -> dict[str, Any]:  # fmt: skip
+                       params: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+        """One call, tried again after a transient failure (:func:`retry_delay`): a connection
+        the server closed, a throttled or restarting API server ended the whole pass before, and a
+        create refused so turned the job's Created condition False."""
+        attempt = 0
+        while True:
+            try:
+                return await self._request_once(method, path, body, content_type, params)
+            except ApiError as err:
+                delay = retry_delay(err, attempt, jitter=random.uniform(0.8, 1.2))
+                if delay is None:
+                    raise
+                log.info(f"{method} {path} failed ({err}); trying again in {delay:.1f}s")
+                await asyncio.sleep(delay)
+                attempt += 1
+
+    async def _request_once(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                            params: dict[str, str] | None = None, retry_auth: bool = True) -> dict[str, Any]:  # fmt: skip
         session, server = await self._session_for()
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
@@ -111,13 +164,14 @@ class KubeApi:
                     info = self._login()  # token rotated: log in again, once
                     if info is not None:
                         self.set_connection(info)
-                        return await self._request(method, path, body, content_type, params, retry_auth=False)
+                        return await self._request_once(method, path, body, content_type, params, retry_auth=False)
                 if resp.status >= 400:
+                    retry_after = _seconds(resp.headers.get("Retry-After"))
                     try:
                         status = json.loads(text)
-                        raise ApiError(resp.status, status.get("reason", ""), status.get("message", text))
+                        raise ApiError(resp.status, status.get("reason", ""), status.get("message", text), retry_after)
                     except (ValueError, AttributeError):
-                        raise ApiError(resp.status, resp.reason or "", text[:500]) from None
+                        raise ApiError(resp.status, resp.reason or "", text[:500], retry_after) from None
                 return json.loads(text) if text else {}
         except aiohttp.ClientError as err:
             raise ApiError(None, type(err).__name__, str(err)) from err
