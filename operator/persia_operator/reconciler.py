@@ -16,7 +16,7 @@ from typing import Any
 
 from . import constants as C
 from . import naming, opmetrics
-from .children import Children
+from .children import WORKLOAD_KINDS, Children
 from .events import JobEvent, transition_events
 from .job import JobStatus
 from .kube import ApiError, KubeApi
@@ -129,6 +129,7 @@ class Reconciler:
         meta = observed.metadata
         spec = _spec_of(observed)
         extra, secrets = await self._observe_by_get(meta.namespace, meta.name, spec)
+        summaries = await self._without_ghosts(meta.namespace, summaries, observed.status.attempt)
         children = Children.from_summaries([*summaries, *extra], owner_uid=meta.uid)
         nats = self._watch_nats(observed, spec, secrets)
         now = self.clock()
@@ -154,6 +155,23 @@ class Reconciler:
                 logger.info(f"Deleting PersiaJob {meta.namespace}/{meta.name}: {action.why}")
                 await self.api.delete(C.KIND, meta.namespace, meta.name)
         return status
+
+    async def _without_ghosts(self, namespace: str, summaries: list[dict[str, Any]], attempt: int
+                              ) -> list[dict[str, Any]]:  # fmt: skip
+        """The summaries less the workloads that are gone although kopf's index still has them.
+        kopf forgets an object only on its DELETED event; one deleted while a watch was down
+        (an API server restart) stayed in the index for ever, and the pass that waits for an old
+        attempt's workload to go before creating the new one waited for ever. So the workloads a
+        pass waits on (being deleted, or of an earlier attempt) are read by name: few, and only
+        while a job restarts."""
+        out = []
+        for s in summaries:
+            waited_on = s["kind"] in WORKLOAD_KINDS and (
+                s.get("deleting") or (s.get("role") in C.TRAINING_ROLES and s.get("attempt") != str(attempt)))
+            if waited_on and await self.api.get(s["kind"], namespace, s["name"]) is None:
+                continue  # a ghost
+            out.append(s)
+        return out
 
     async def _observe_by_get(self, namespace: str, name: str, spec: PersiaJobSpec | None
                               ) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:  # fmt: skip

@@ -128,3 +128,20 @@ async def test_a_deleted_job_is_forgotten_with_its_nats_probe():
         await asyncio.gather(probe, return_exceptions=True)
         assert probe.cancelled()
         await reconciler.close()
+
+
+async def test_workloads_the_index_still_lists_but_the_api_server_has_not_are_ghosts():
+    """kopf forgets an object only on its DELETED event: one deleted while a watch was down stays
+    in the index. A restart waited for its old workloads to go before creating the new ones, so
+    such ghosts held the job for ever. Read by name, they are seen gone and the new ones created."""
+    sim = Sim().running()
+    old_attempt = sim.children()  # attempt 0's workloads and pods, as the index lists them
+    restarted = sim.step(sim.children(pods=failed(137)))  # killed by a signal: a whole-job restart
+    assert restarted.attempt == 1
+    body = {**sim.body, "status": restarted.to_wire()}
+    api = RecordingApi()  # the API server has none of attempt 0's workloads any more
+    await Reconciler(api, clock=lambda: NOW, nats=NoNats())._pass(body, old_attempt, LOG)  # type: ignore[arg-type]
+    created = {name for call, kind, name in (c[:3] for c in api.calls if c[0] == "create")
+               if kind in ("StatefulSet", "Job")}
+    workloads = {s["name"] for s in old_attempt if s["kind"] in ("StatefulSet", "Job") and s["role"] in C.TRAINING_ROLES}
+    assert workloads and workloads <= created, (workloads, api.calls)
