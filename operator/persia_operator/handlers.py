@@ -101,6 +101,7 @@ def failure_event(err: BaseException) -> JobEvent:
     return JobEvent("Warning", "ReconcileFailed", message[:1024])
 
 
+PASS_TIMEOUT_S = 60.0  # a job's periodic pass is cut short after this (reported like any failure)
 API_ERRORS_BEFORE_EVENT = 3  # consecutive passes ending in an API error before the job shows it
 
 
@@ -176,7 +177,13 @@ def register(
         async def one(namespace: str, name: str) -> ApiError | None:
             async with limit:
                 try:
-                    await reconciler.reconcile(namespace, name, collect_summaries(indexes, namespace, name), log)
+                    # bounded: the round waits for its slowest pass, so one job whose calls hang
+                    # (a webhook timing out on every create) held up every other job's failures,
+                    # restarts and deadlines. A pass cut short is safe: it saves its status first.
+                    await asyncio.wait_for(
+                        reconciler.reconcile(namespace, name, collect_summaries(indexes, namespace, name), log),
+                        PASS_TIMEOUT_S,
+                    )
                 except ApiError as err:  # transient until it persists (api_error_streaks)
                     log.warning(f"Reconcile of {namespace}/{name} failed, will retry: {err}")
                     return err

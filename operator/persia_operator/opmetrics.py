@@ -41,14 +41,21 @@ class PhaseCounts:
 
     def __init__(self) -> None:
         self._phases: dict[tuple[str, str], str] = {}
+        self._counts: dict[str, int] = {}
 
     def keys(self) -> set[tuple[str, str]]:
         return set(self._phases)
 
     def set(self, key: tuple[str, str], phase: str | None) -> None:
-        if phase is None:
-            self._phases.pop(key, None)
-        else:
+        """The job's phase now (None: gone); only the two phases it moved between are counted
+        again (recounting every job at every pass was quadratic in the jobs per round)."""
+        old = self._phases.pop(key, None) if phase is None else self._phases.get(key)
+        if phase is not None:
             self._phases[key] = phase
-        for name in {*PHASES, *self._phases.values()}:
-            JOBS.labels(phase=name).set(sum(1 for p in self._phases.values() if p == name))
+        if old == phase and self._counts:
+            return
+        for name, delta in ((old, -1), (phase, +1)):
+            if name is not None:
+                self._counts[name] = self._counts.get(name, 0) + delta
+        for name in {*PHASES, *(n for n in (old, phase) if n is not None)}:
+            JOBS.labels(phase=name).set(self._counts.get(name, 0))

@@ -53,3 +53,19 @@ def test_dashboard_is_well_formed():
     assert len(ids) == len(set(ids)) and board["uid"] == "persia-operator"
     for panel in board["panels"]:
         assert panel["targets"] and all(t["expr"].count("(") == t["expr"].count(")") for t in panel["targets"])
+
+
+def test_the_jobs_gauge_counts_each_phase_as_jobs_move():
+    counts = opmetrics.PhaseCounts()
+
+    def gauge(phase: str) -> float:
+        return REGISTRY.get_sample_value("persia_operator_jobs", {"phase": phase})
+
+    for i in range(3):
+        counts.set(("ns", f"j{i}"), "Running")
+    counts.set(("ns", "j0"), "Succeeded")
+    counts.set(("ns", "j1"), "Running")  # no change
+    assert (gauge("Running"), gauge("Succeeded"), gauge("Failed")) == (2, 1, 0)
+    counts.set(("ns", "j2"), None)  # deleted
+    counts.set(("ns", "gone"), None)  # never seen
+    assert (gauge("Running"), gauge("Succeeded")) == (1, 1) and counts.keys() == {("ns", "j0"), ("ns", "j1")}

@@ -105,3 +105,32 @@ async def test_an_api_error_that_persists_is_reported_on_the_job(cluster, operat
     events = [e for e in cluster.events(NS) if e.get("reason") == "ReconcileFailed"]
     assert len(events) == 1, events
     assert "ApiError: 403 Forbidden" in events[0]["message"] and events[0]["involvedObject"]["name"] == "denied"
+
+
+async def test_a_pass_that_hangs_is_cut_short_and_the_other_jobs_go_on(cluster, operator, monkeypatch):
+    """The periodic round waits for its slowest pass: one job whose calls hang (a webhook timing
+    out on every create) held up every other job's passes, so their failures, restarts and
+    deadlines waited too. A pass is cut short after PASS_TIMEOUT_S and reported like a failure."""
+    import asyncio
+
+    from persia_operator import handlers
+
+    monkeypatch.setattr(handlers, "PASS_TIMEOUT_S", 0.5)
+    for name in ("good", "stuck"):
+        await cluster.create(job_body(name))
+    for name in ("good", "stuck"):
+        await wait_for(lambda name=name: cluster.condition(NS, name, C.COND_CREATED), what=f"{name} created")
+    real_pass = operator._pass
+    calls: collections.Counter[str] = collections.Counter()
+
+    async def pass_that_hangs(body, summaries, logger):
+        name = body["metadata"]["name"]
+        calls[name] += 1
+        if name == "stuck":
+            await asyncio.Event().wait()  # a call that never answers
+        return await real_pass(body, summaries, logger)
+
+    operator._pass = pass_that_hangs
+    await wait_for(lambda: calls["good"] >= 3 and calls["stuck"] >= 3, what="rounds that go on past a hung pass")
+    await wait_for(lambda: [e for e in cluster.events(NS) if e.get("reason") == "ReconcileFailed"
+                            and e["involvedObject"]["name"] == "stuck"], what="the hung pass reported")
