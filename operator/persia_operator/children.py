@@ -7,6 +7,8 @@ Summaries keep only the fields the decisions need, so the indexes stay small.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +75,7 @@ class Children:
     workloads: dict[tuple[str, str], WorkloadState] = field(default_factory=dict)
     objects: dict[tuple[str, str], str | None] = field(default_factory=dict)  # -> owner uid
     pods: tuple[PodState, ...] = ()
+    data_hashes: dict[str, str] = field(default_factory=dict)  # ConfigMap name -> data_hash
 
     @classmethod
     def from_summaries(cls, summaries: Iterable[dict[str, Any]], owner_uid: str | None = None) -> "Children":
@@ -80,6 +83,7 @@ class Children:
         (e.g. left over from a deleted job of the same name)."""
         workloads: dict[tuple[str, str], WorkloadState] = {}
         objects: dict[tuple[str, str], str | None] = {}
+        hashes: dict[str, str] = {}
         pods: list[PodState] = []
         for s in summaries:
             kind = s["kind"]
@@ -90,9 +94,11 @@ class Children:
                 continue
             if kind in WORKLOAD_KINDS:
                 workloads[(kind, s["name"])] = _workload_from_summary(s)
+            if kind == "ConfigMap" and s.get("data_hash"):
+                hashes[s["name"]] = s["data_hash"]
             objects[(kind, s["name"])] = s.get("owner_uid")
         pods.sort(key=lambda p: p.name)
-        return cls(workloads=workloads, objects=objects, pods=tuple(pods))
+        return cls(workloads=workloads, objects=objects, pods=tuple(pods), data_hashes=hashes)
 
     def pods_of(self, role: str, attempt: int) -> list[PodState]:
         return [p for p in self.pods if p.role == role and p.attempt == str(attempt)]
@@ -197,7 +203,14 @@ def summarize(kind: str, body: dict[str, Any]) -> dict[str, Any]:
             job_failed=failed.get("status") == "True",
             job_failed_reason=failed.get("reason"),
         )
+    elif kind == "ConfigMap":
+        summary["data_hash"] = data_hash(body.get("data") or {})
     return summary
+
+
+def data_hash(data: dict[str, Any]) -> str:
+    """A ConfigMap's content, as a short fingerprint (what the index keeps of it)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _summarize_pod(status: dict[str, Any]) -> dict[str, Any]:

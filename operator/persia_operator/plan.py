@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from . import constants as C
-from .children import Children
+from .children import Children, data_hash
 from .conditions import parse_time
 from .job import JobStatus, PersiaJob
 from . import naming
@@ -53,6 +53,25 @@ class DeleteJob:
 
 
 Action = Create | Patch | Delete | DeleteJob
+
+
+def _stale_config(job: str, manifests: list[dict[str, Any]], children: Children, attempt: str) -> Patch | None:
+    """The job's config ConfigMap rewritten, when its content is not what the spec renders and no
+    training workload of the current attempt exists (resumed after "suspend, edit, resume", or
+    between attempts): it was only ever created, so resumed pods read the configs the job was
+    first submitted with. Never while the attempt runs: a pod restarted then would read other
+    configs than its peers. (The NATS ConfigMap is left as it is: docs/operator.md.)"""
+    if any(w.role in C.TRAINING_ROLES and w.attempt == attempt and not w.deleting
+           for w in children.workloads.values()):  # fmt: skip
+        return None
+    name = naming.config_map_name(job)
+    for m in manifests:
+        if m["kind"] == "ConfigMap" and m["metadata"]["name"] == name:
+            have = children.data_hashes.get(name)
+            if have is not None and have != data_hash(m["data"]):
+                keys = (C.GLOBAL_CONFIG_FILE, C.EMBEDDING_CONFIG_FILE)
+                return Patch("ConfigMap", name, {"data": {k: m["data"].get(k) for k in keys}})
+    return None
 
 
 def _cleanup(policy: str, children: Children) -> list[Action]:
@@ -106,11 +125,18 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
         if w.role in C.TRAINING_ROLES and w.attempt != current and not w.deleting:
             actions.append(Delete(kind, name, f"attempt {w.attempt} replaced by attempt {current}"))
     job = PersiaJob(metadata=meta, spec=spec, status=status)
-    for manifest in render(job):
+    manifests = render(job)
+    config = _stale_config(meta.name, manifests, children, current)
+    if config is not None:
+        actions.append(config)
+    for manifest in manifests:
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         if kind in ("StatefulSet", "Job", "Deployment"):
             w = children.workload(kind, name)
             if w is None:
+                role = (manifest["metadata"].get("labels") or {}).get(C.LABEL_ROLE)
+                if config is not None and role in C.TRAINING_ROLES:
+                    continue  # created once the new configs show (a pass later): none reads the old
                 actions.append(Create(manifest))
             elif w.deleting or (w.role in C.TRAINING_ROLES and w.attempt != current):
                 continue  # re-created once the old one is gone

@@ -155,3 +155,34 @@ def test_never_accepted_spec_plans_nothing():
     sim = Sim(body)
     sim.step()
     assert plan(sim, []) == []
+
+
+def _with_config_hash(summaries, digest):
+    """The summaries as the index lists them, the job's config ConfigMap with content ``digest``."""
+    return [{**s, "data_hash": digest} if s["kind"] == "ConfigMap" and s["name"] == "demo-config" else s
+            for s in summaries]
+
+
+def test_configs_edited_while_suspended_reach_the_resumed_pods():
+    """"Suspend, edit, resume" is the documented way to change a live job's configs, but the
+    ConfigMap was only ever created: the resumed pods read the configs first submitted."""
+    sim = Sim().running()
+    resumed = [s for s in sim.children() if s["kind"] not in ("StatefulSet", "Job", "Deployment", "Pod")
+               or s["role"] not in C.TRAINING_ROLES]  # suspended: the training workloads are gone
+    stale = _with_config_hash(resumed, "0123456789abcdef")  # the content before the edit
+    actions = plan(sim, stale)
+    [patch] = [a for a in actions if isinstance(a, Patch)]
+    assert (patch.kind, patch.name) == ("ConfigMap", "demo-config")
+    assert "forward_buffer_size: 1000" in patch.patch["data"]["global_config.yml"]
+    # no training workload is created before the new content shows: none reads the old
+    assert not [a for a in actions if isinstance(a, Create) and a.manifest["kind"] in ("StatefulSet", "Job")]
+    # once the index shows the new content, the workloads are created, and nothing is patched
+    actions = plan(sim, resumed)
+    assert not [a for a in actions if isinstance(a, Patch)]
+    assert keys(actions, Create) and all(k in ("StatefulSet", "Job") for k, _ in keys(actions, Create))
+
+
+def test_a_running_attempt_never_gets_its_configs_changed_under_it():
+    sim = Sim().running()
+    actions = plan(sim, _with_config_hash(sim.children(), "0123456789abcdef"))
+    assert not [a for a in actions if isinstance(a, Patch)]  # a restarted pod would read other configs
