@@ -109,6 +109,14 @@ async def drive_every_path(cluster: Cluster, operator: Any) -> None:
                    .get("replicas") == 3, what="b scaled in place")  # fmt: skip
     await cluster.patch(PJ, NS, "b", {"spec": {"runPolicy": {"suspend": True}}})
     await wait_for(lambda: not workloads(cluster, NS, "b"), what="b suspended")
+    # suspend, edit, resume: the job's config ConfigMap is rewritten before its pods come back
+    await cluster.patch(PJ, NS, "b", {"spec": {"configs": {"globalConfig": {
+        "embedding_worker_config": {"forward_buffer_size": 500}}}}})  # fmt: skip
+    await cluster.patch(PJ, NS, "b", {"spec": {"runPolicy": {"suspend": False}}})
+    await wait_for(lambda: "forward_buffer_size: 500" in ((cluster.get("v1/configmaps", NS, "b-config") or {})
+                                                           .get("data") or {}).get("global_config.yml", ""),
+                   what="b's configs rewritten at its resume")  # fmt: skip
+    await wait_for(lambda: len(workloads(cluster, NS, "b")) == 4, what="b resumed")
     # C: a child name taken by something else (409, then a GET: not ours).
     taken = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "c-nn-worker", "namespace": NS},
              "spec": {"ports": [{"port": 1}]}}  # fmt: skip
@@ -143,7 +151,8 @@ async def test_chart_rbac_is_exactly_what_the_operator_calls(cluster, operator):
     assert {("", "secrets", "get"), ("", "secrets", "create"), ("apps", "deployments", "patch"),
             ("persia.com", "persiajobs", "delete"), ("scheduling.volcano.sh", "podgroups", "create"),
             ("scheduling.x-k8s.io", "podgroups", "get"), ("coordination.k8s.io", "leases", "patch"),
-            ("", "services", "get"), ("persia.com", "persiajobs/status", "patch")} <= calls  # fmt: skip
+            ("", "services", "get"), ("persia.com", "persiajobs/status", "patch"),
+            ("", "configmaps", "patch")} <= calls  # fmt: skip
     assert not {c for c in calls if c[1] == "secrets" and c[2] in ("list", "watch")}
     assert not [r for r in list(cluster.k) if r.resource is not None and r.resource.plural in ("namespaces", "customresourcedefinitions")
                 and r.headers.get("User-Agent", "").startswith(("kopf/", C.MANAGED_BY))]  # fmt: skip

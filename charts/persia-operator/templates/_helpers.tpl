@@ -50,10 +50,14 @@ them from a run of the operator and compares both ways). */}}
 - apiGroups: ["persia.com"]
   resources: ["persiajobs/finalizers"]
   verbs: ["update"]
-# Children. get: only after a 409 on create (is it ours?). patch: online resize.
+# Children. get: only after a 409 on create (is it ours?), and workloads a restart waits on.
+# patch: online resize; the job's config ConfigMap after "suspend, edit, resume".
 - apiGroups: [""]
-  resources: ["services", "configmaps"]
+  resources: ["services"]
   verbs: ["get", "list", "watch", "create"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "delete"]
