@@ -198,9 +198,12 @@ class KubeApi:
         return await self._request("PATCH", resource_path(kind, namespace, name, subresource), patch,
                                    content_type="application/merge-patch+json", params=params)  # fmt: skip
 
-    async def delete(self, kind: str, namespace: str, name: str) -> bool:
-        """Delete with background propagation; False when it was already gone."""
-        body = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete with background propagation; False when it was already gone. ``uid``: only that
+        object, not another created since under the same name (the API server answers 409)."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
         try:
             await self._request("DELETE", resource_path(kind, namespace, name), body)
             return True

@@ -153,7 +153,8 @@ class Reconciler:
         for action in actions:
             if isinstance(action, DeleteJob):
                 logger.info(f"Deleting PersiaJob {meta.namespace}/{meta.name}: {action.why}")
-                await self.api.delete(C.KIND, meta.namespace, meta.name)
+                # this job only: one deleted and applied again meanwhile has another uid (409)
+                await self.api.delete(C.KIND, meta.namespace, meta.name, uid=meta.uid)
         return status
 
     async def _without_ghosts(self, namespace: str, summaries: list[dict[str, Any]], attempt: int

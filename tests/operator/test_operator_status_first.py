@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from operator_testkit import NOW, Sim, failed
+from datetime import timedelta
+
+from operator_testkit import NOW, Sim, failed, job_body
 
 from persia_operator import constants as C
 from persia_operator.kube import ApiError
@@ -35,8 +37,8 @@ class RecordingApi:
         self.calls.append(("create", manifest["kind"], manifest.get("reason") or manifest["metadata"].get("name")))
         return manifest
 
-    async def delete(self, kind: str, namespace: str, name: str) -> None:
-        self.calls.append(("delete", kind, name))
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+        self.calls.append(("delete", kind, name) + ((uid,) if uid else ()))
 
     async def merge_patch(self, kind, namespace, name, patch, subresource=None) -> dict[str, Any]:
         if subresource == "status":
@@ -145,3 +147,16 @@ async def test_workloads_the_index_still_lists_but_the_api_server_has_not_are_gh
                if kind in ("StatefulSet", "Job")}
     workloads = {s["name"] for s in old_attempt if s["kind"] in ("StatefulSet", "Job") and s["role"] in C.TRAINING_ROLES}
     assert workloads and workloads <= created, (workloads, api.calls)
+
+
+async def test_the_ttl_deletes_this_job_only_not_one_applied_again_under_its_name():
+    """The TTL's delete named the job only: one deleted and applied again while a pass of the old
+    one ran (the docs' way to run a job again) was deleted in its place. The uid is a precondition."""
+    sim = Sim(job_body(runPolicy={"ttlSecondsAfterFinished": 0})).running()
+    body = {**sim.body, "status": sim.status.to_wire()}
+    done = sim.children(pods=failed(1))  # failed for good: finished, and its TTL of 0 is up
+    api = RecordingApi()
+    clock = lambda: NOW + timedelta(hours=1)  # noqa: E731
+    await Reconciler(api, clock=clock, nats=NoNats())._pass(body, done, LOG)  # type: ignore[arg-type]
+    [job_delete] = [c for c in api.calls if c[:2] == ("delete", C.KIND)]
+    assert job_delete == ("delete", C.KIND, "demo", sim.body["metadata"]["uid"]), api.calls
