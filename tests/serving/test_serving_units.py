@@ -136,3 +136,24 @@ def test_infer_global_config_keeps_training_settings():
                                                                          "embedding_checkpoint": "/ckpt"}}
     assert gc["embedding_parameter_server_config"]["incremental_dir"] == "/inc"
     assert train["common_config"]["job_type"] == "Train"
+
+
+def test_a_model_file_that_does_not_load_is_tried_again_only_once_it_changes(tmp_path):
+    """A broken model file was loaded (all of it) and warned about every poll, for ever; its
+    failure counted each time. Now once, and again when the file changes (a copy completing)."""
+    import os
+
+    import torch
+
+    from persia.serving.model import DenseModel
+
+    path = tmp_path / "jit_dense.pt"
+    path.write_bytes(b"not a torchscript file")
+    loads: list[bool] = []
+    model = DenseModel(path, on_load=loads.append)
+    for _ in range(3):
+        assert model.poll() is False
+    assert loads == [False] and "jit_dense.pt" in model.last_error
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 1)), str(tmp_path / "new.pt"))
+    os.replace(tmp_path / "new.pt", path)  # the good file arrives: a new version
+    assert model.poll() is True and loads == [False, True] and model.current() is not None

@@ -61,6 +61,7 @@ class DenseModel:
         self.version: tuple | None = None
         self.loaded_at: float | None = None
         self.last_error: str | None = None
+        self._failed_version: tuple | None = None  # the file version that failed to load last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -78,14 +79,18 @@ class DenseModel:
             version = file_version(target)
         except OSError:  # replaced between resolve and stat: next poll
             return False
-        if version == self.version:
-            return False
+        if version == self.version or version == self._failed_version:
+            return False  # served already, or refused already: tried again once the file changes
         try:
             model = torch.jit.load(str(target), map_location=self.device)
             model.train(False)  # inference mode: dropout off, batch-norm statistics frozen
         except Exception as exc:  # noqa: BLE001 - a partial or foreign file: keep the old model
             self.last_error = f"{target}: {type(exc).__name__}: {exc}"
-            log.warning("cannot load model %s (keeping the current one): %s", target, exc)
+            # not loaded again every poll (a warning and a whole file read each time, for ever):
+            # a copy still being written changes its version, and is tried again then
+            self._failed_version = version
+            log.warning("cannot load model %s (keeping the current one; tried again when the file changes): %s",
+                        target, exc)
             if self._on_load:
                 self._on_load(False)
             return False
