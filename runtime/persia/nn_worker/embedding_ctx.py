@@ -317,12 +317,6 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not release %d batches on embedding worker %d: %s", len(refs), w, exc)
 
-    def _release_trained_refs(self, batches: list[PersiaTrainingBatch]) -> None:
-        self._release_refs([{"worker": b.worker, "ref": b.ref} for b in batches if b.ref is not None])
-        for b in batches:
-            if b.holds_permit and self._permits is not None:
-                self._permits.release()
-
     def _needs_rank_agreement(self, streaming: bool) -> bool:
         return False
 

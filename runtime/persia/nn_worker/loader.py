@@ -492,7 +492,13 @@ class _LoaderIterator:
         self._untrained(exc.loader, "lost_id_features")
 
     def _discard(self, batch: PersiaTrainingBatch) -> None:
-        self.ctx._release_trained_refs([batch])
+        """Hand back a looked-up batch nobody trains: its ref on the embedding worker, and its
+        staleness permit to this pipeline's permits (the context's may be a newer loop's by now:
+        released there, one was counted free that this loop's batch had taken, or it raised)."""
+        if batch.ref is not None:
+            self.ctx._release_refs([{"worker": batch.worker, "ref": batch.ref}])
+        if batch.holds_permit and self._permits is not None:
+            self._permits.release()
 
     def _finish(self, drain: bool = False) -> None:
         """Stop the pipeline; with ``drain``, hand back every batch already pulled from the stream."""
