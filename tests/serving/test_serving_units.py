@@ -157,3 +157,21 @@ def test_a_model_file_that_does_not_load_is_tried_again_only_once_it_changes(tmp
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 1)), str(tmp_path / "new.pt"))
     os.replace(tmp_path / "new.pt", path)  # the good file arrives: a new version
     assert model.poll() is True and loads == [False, True] and model.current() is not None
+
+
+def test_json_nested_too_deep_is_found_before_it_is_parsed():
+    """json.loads recursed to the interpreter's limit on "[[[[...": the 400 came, but nothing else
+    on that thread had stack left (a garbage collection's finalizers failed there)."""
+    import json
+
+    from persia.serving.request import MAX_JSON_DEPTH, json_depth_over
+
+    request = json.dumps({"id_type_features": {f"s{i}": [[j, j + 1] for j in range(512)] for i in range(26)}})
+    assert not json_depth_over(request.encode())
+    assert json_depth_over(b"[" * 100_000 + b"]" * 100_000)
+    assert json_depth_over(b'{"a":' * 70 + b"1" + b"}" * 70)
+    deep, ok = MAX_JSON_DEPTH + 1, MAX_JSON_DEPTH
+    assert json_depth_over(b"[" * deep + b"]" * deep) and not json_depth_over(b"[" * ok + b"]" * ok)
+    # brackets inside strings, escaped quotes included, do not count
+    assert not json_depth_over(b'{"a": "' + b"[" * 100 + b'"}')
+    assert not json_depth_over(b'{"a": "\\"[[[["}' + b"[1]" * 100)

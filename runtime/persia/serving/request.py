@@ -16,6 +16,7 @@ float64, 32/64-bit integers and bool are refused naming the feature, as are NaN 
 
 from __future__ import annotations
 
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,6 +28,22 @@ from persia.data_loader.batch import (
     PersiaBatch,
     PersiaDataError,
 )
+
+MAX_JSON_DEPTH = 64  # a request nests 4 deep; json.loads recursed to the limit on "[[[[..."
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth_over(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``body``'s arrays and objects nest deeper than ``limit`` (brackets inside strings
+    do not count). Checked before ``json.loads``, whose recursion to the interpreter's limit left
+    no stack for anything else on that thread (a garbage collection's finalizers failed there)."""
+    if body.count(b"[") + body.count(b"{") <= limit:  # cannot nest deeper: no scan (small requests)
+        return False
+    brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)  # C speed; then only these
+    opening = (np.frombuffer(brackets, dtype=np.uint8) & 0x02) != 0  # "[" 0x5b, "{" 0x7b; "]" 0x5d, "}" 0x7d
+    return bool(opening.size) and int(np.cumsum(opening.astype(np.int32) * 2 - 1).max()) > limit
+
 
 _U64_MAX = (1 << 64) - 1
 _U64_DIGITS = len(str(_U64_MAX))
