@@ -19,7 +19,7 @@ from persia.nn_worker.accounting import ACCOUNT
 from tests.polling import poll_until
 
 from .cluster import cluster
-from .test_training_path import Model, make_batch
+from .test_training_path import Model, make_batch, train_step
 
 pytestmark = pytest.mark.integration
 
@@ -51,16 +51,14 @@ def test_a_loop_left_early_stops_its_pipeline_and_the_next_loop_gets_the_rest(pe
                       dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
             for batch in DataLoader(StreamingDataset(4), embedding_staleness=2):
                 first.append(batch.batch_id)
-                out, labels = ctx.forward(batch)
-                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                train_step(ctx, batch)
                 if len(first) == 2:
                     break
             # the loop's iterator is dropped at the break: its threads end, its subscriptions go
             poll_until(lambda: not pipeline_threads(before), "the left loop's threads to end", deadline_s=30)
             for batch in DataLoader(StreamingDataset(4), embedding_staleness=2):
                 rest.append(batch.batch_id)
-                out, labels = ctx.forward(batch)
-                ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                train_step(ctx, batch)
         t.join(60)
         assert not t.is_alive(), "the data loader could not send every batch"
     result = ACCOUNT.as_result()

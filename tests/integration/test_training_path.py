@@ -96,12 +96,17 @@ def adagrad_ctx(model) -> TrainCtx:
                     dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+def train_step(ctx, batch) -> None:
+    """One training step on ``batch`` (BCE on its first label)."""
+    out, labels = ctx.forward(batch)
+    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+
+
 def train_stream(ctx, staleness: int = 1) -> int:
-    """Train ``ctx`` on its stream to the end (BCE on the first label); the steps trained."""
+    """Train ``ctx`` on its stream to the end; the steps trained."""
     trained = 0
     for batch in DataLoader(StreamingDataset(4), embedding_staleness=staleness, reproducible=True):
-        out, labels = ctx.forward(batch)
-        ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+        train_step(ctx, batch)
         trained += 1
     ctx.wait_for_pending_updates()
     return trained

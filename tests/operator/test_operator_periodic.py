@@ -52,23 +52,35 @@ def test_events_due_only_for_new_or_changed_failures():
     assert events_due({a: "E1"}, {}) == []
 
 
-async def test_a_failing_job_is_logged_and_reported_and_the_others_go_on(cluster, operator, caplog):
-    caplog.set_level(logging.INFO, logger="persia_operator")
-    for name in ("good", "bad"):
+async def misbehaving_pass(cluster, operator, names: tuple[str, ...], odd_one: str, misbehave):
+    """Create the jobs ``names`` and wait for their children; from then on ``odd_one``'s passes
+    run ``await misbehave()`` first (raise, or hang), the others pass as usual. Returns the count
+    of passes per job, growing as the operator (in its own thread) runs them."""
+    for name in names:
         await cluster.create(job_body(name))
-    for name in ("good", "bad"):
+    for name in names:
         await wait_for(lambda name=name: cluster.condition(NS, name, C.COND_CREATED), what=f"{name} created")
     real_pass = operator._pass
     calls: collections.Counter[str] = collections.Counter()
 
-    async def pass_with_a_bug(body, summaries, logger):
+    async def wrapped(body, summaries, logger):
         name = body["metadata"]["name"]
         calls[name] += 1
-        if name == "bad":
-            raise KeyError("unexpected child")  # a bug, not an API error
+        if name == odd_one:
+            await misbehave()
         return await real_pass(body, summaries, logger)
 
-    operator._pass = pass_with_a_bug  # the operator runs in its own thread; the next passes use it
+    operator._pass = wrapped  # the operator runs in its own thread; its next passes use it
+    return calls
+
+
+async def test_a_failing_job_is_logged_and_reported_and_the_others_go_on(cluster, operator, caplog):
+    caplog.set_level(logging.INFO, logger="persia_operator")
+
+    async def bug():
+        raise KeyError("unexpected child")  # a bug, not an API error
+
+    calls = await misbehaving_pass(cluster, operator, ("good", "bad"), "bad", bug)
     await wait_for(lambda: calls["bad"] >= 3 and calls["good"] >= 3, what="several periodic passes of both jobs")
 
     errors = [r for r in caplog.records if r.levelno == logging.ERROR and "ns1/bad" in r.getMessage()]
@@ -90,15 +102,11 @@ async def test_an_api_error_that_persists_is_reported_on_the_job(cluster, operat
     API_ERRORS_BEFORE_EVENT passes in a row one Warning event on the job (it was only logged:
     a job whose status the server refused for ever showed nothing)."""
     caplog.set_level(logging.INFO, logger="persia_operator")
-    await cluster.create(job_body("denied"))
-    await wait_for(lambda: cluster.condition(NS, "denied", C.COND_CREATED), what="denied created")
-    calls: collections.Counter[str] = collections.Counter()
 
-    async def forbidden(body, summaries, logger):
-        calls[body["metadata"]["name"]] += 1
+    async def forbidden():
         raise ApiError(403, "Forbidden", 'persiajobs.persia.com "denied" is forbidden: cannot patch persiajobs/status')
 
-    operator._pass = forbidden
+    calls = await misbehaving_pass(cluster, operator, ("denied",), "denied", forbidden)
     await wait_for(lambda: calls["denied"] >= API_ERRORS_BEFORE_EVENT + 1, what="passes that keep failing")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "ns1/denied" in r.getMessage()]
     assert len(warnings) >= API_ERRORS_BEFORE_EVENT
@@ -116,21 +124,11 @@ async def test_a_pass_that_hangs_is_cut_short_and_the_other_jobs_go_on(cluster, 
     from persia_operator import handlers
 
     monkeypatch.setattr(handlers, "PASS_TIMEOUT_S", 0.5)
-    for name in ("good", "stuck"):
-        await cluster.create(job_body(name))
-    for name in ("good", "stuck"):
-        await wait_for(lambda name=name: cluster.condition(NS, name, C.COND_CREATED), what=f"{name} created")
-    real_pass = operator._pass
-    calls: collections.Counter[str] = collections.Counter()
 
-    async def pass_that_hangs(body, summaries, logger):
-        name = body["metadata"]["name"]
-        calls[name] += 1
-        if name == "stuck":
-            await asyncio.Event().wait()  # a call that never answers
-        return await real_pass(body, summaries, logger)
+    async def hang():
+        await asyncio.Event().wait()  # a call that never answers
 
-    operator._pass = pass_that_hangs
+    calls = await misbehaving_pass(cluster, operator, ("good", "stuck"), "stuck", hang)
     await wait_for(lambda: calls["good"] >= 3 and calls["stuck"] >= 3, what="rounds that go on past a hung pass")
     await wait_for(lambda: [e for e in cluster.events(NS) if e.get("reason") == "ReconcileFailed"
                             and e["involvedObject"]["name"] == "stuck"], what="the hung pass reported")
