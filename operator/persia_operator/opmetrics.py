@@ -42,6 +42,8 @@ class PhaseCounts:
     def __init__(self) -> None:
         self._phases: dict[tuple[str, str], str] = {}
         self._counts: dict[str, int] = {}
+        for name in PHASES:  # every phase shown, at 0 until a job is in it
+            JOBS.labels(phase=name).set(0)
 
     def keys(self) -> set[tuple[str, str]]:
         return set(self._phases)
@@ -52,10 +54,9 @@ class PhaseCounts:
         old = self._phases.pop(key, None) if phase is None else self._phases.get(key)
         if phase is not None:
             self._phases[key] = phase
-        if old == phase and self._counts:
+        if old == phase:
             return
         for name, delta in ((old, -1), (phase, +1)):
             if name is not None:
                 self._counts[name] = self._counts.get(name, 0) + delta
-        for name in {*PHASES, *(n for n in (old, phase) if n is not None)}:
-            JOBS.labels(phase=name).set(self._counts.get(name, 0))
+                JOBS.labels(phase=name).set(self._counts[name])

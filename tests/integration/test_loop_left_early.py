@@ -72,3 +72,31 @@ def test_a_loop_left_early_stops_its_pipeline_and_the_next_loop_gets_the_rest(pe
     # the old loop's subscriptions were drained, not cut: a send that reached them was answered
     # (busy: retried on the new loop's), not left to wait out its 10 s request timeout
     assert "no successful reply after" not in caplog.text
+
+
+def test_a_loop_still_held_at_the_contexts_exit_is_closed_and_its_batches_counted(persia_env):
+    """A loop kept (a reference held past the context) is closed at the context's exit, which
+    waits for its lookups: every batch it pulled is trained or handed back, counted."""
+    before = frozenset(threading.enumerate())
+    with cluster():
+        loader_stream.reset()
+
+        def loader():
+            with DataCtx() as ctx:
+                for i in range(6):
+                    ctx.send_data(make_batch(i))
+
+        t = threading.Thread(target=loader, daemon=True)
+        t.start()
+        model = Model()
+        with TrainCtx(model=model, embedding_optimizer=SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            kept = iter(DataLoader(StreamingDataset(4), embedding_staleness=2))
+            train_step(ctx, next(kept))
+            poll_until(lambda: ACCOUNT.received >= 3, "the loop to pull batches beyond the one trained")
+        assert not pipeline_threads(before), "the kept loop's threads outlived its context"
+        result = ACCOUNT.as_result()
+        assert result["batches_trained"] == 1
+        assert result["batches_trained"] + result["batches_failed"].get("abandoned", 0) == ACCOUNT.received
+        del kept
+        t.join(60)

@@ -21,7 +21,7 @@ import numbers
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 import numpy as np
@@ -162,8 +162,6 @@ class _LoaderIterator:
         self._pool = ThreadPoolExecutor(max_workers=loader.num_workers, thread_name_prefix="persia-forward")
         self._stop = threading.Event()
         self._abandoned = threading.Event()  # closed before its end: stop pulling from the stream
-        self._lookups: set[Future] = set()  # started, not yet done (waited for when closed)
-        self._lookups_lock = threading.Lock()
         self._done = False
         self.streaming = isinstance(loader.dataset, StreamingDataset)
         # the outermost NN-worker context of this thread: a TrainCtx and the eval_ctx inside it
@@ -204,7 +202,7 @@ class _LoaderIterator:
         back and counted ``abandoned`` (``_discard_future``), and its threads end. Nothing after
         the end. A pipeline already stopped by a failure stops pulling too (it handed back every
         batch until the stream's end, for nobody)."""
-        if self._done and self._thread is not None and not self._thread.is_alive():
+        if self._done and not self._thread.is_alive():
             return
         self._abandoned.set()
         if not self._done:
@@ -215,15 +213,12 @@ class _LoaderIterator:
         have ended, so each batch it pulled is handed back and counted; False if some did not."""
         end = time.monotonic() + timeout_s
         self._thread.join(max(0.0, end - time.monotonic()))
-        with self._lookups_lock:
-            pending = list(self._lookups)
-        _, not_done = wait(pending, timeout=max(0.0, end - time.monotonic()))
-        if not_done:
-            return False
-        # a future's waiters wake before its callbacks (the count of a batch handed back) run:
-        # the pool's threads end once those have, and no work is left to keep them
-        self._pool.shutdown(wait=True)
-        return not self._thread.is_alive()
+        # the pool's threads end once every lookup, and its callbacks (the count of a batch handed
+        # back), has run; joined from a helper thread so that the wait stays bounded
+        joiner = threading.Thread(target=self._pool.shutdown, kwargs={"wait": True}, daemon=True)
+        joiner.start()
+        joiner.join(max(0.0, end - time.monotonic()))
+        return not joiner.is_alive() and not self._thread.is_alive()
 
     def _steps(self) -> int:
         """The context's training steps (``TrainCtx.step``: a resumed job goes on with its ramp)."""
@@ -362,15 +357,8 @@ class _LoaderIterator:
             fut.batch_loader = item.get("loader")  # type: ignore[attr-defined] - whose position a failure moves
             if transferred is not None:  # a lookup cancelled at shutdown still applies it
                 fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
-        with self._lookups_lock:
-            self._lookups.update(futures)
         for fut in futures:
-            fut.add_done_callback(self._lookup_done)
             self._put(fut)
-
-    def _lookup_done(self, fut: Future) -> None:
-        with self._lookups_lock:
-            self._lookups.discard(fut)
 
     def _timed_lookup_group(self, group: list[tuple[dict, bool, Any]], futures: list[Future]) -> None:
         """A group's lookup in one call; each batch's future gets its batch or its own error."""
@@ -413,7 +401,7 @@ class _LoaderIterator:
                 self._out.put(item, timeout=0.5)
                 return
             except queue.Full:
-                if self._stop.is_set() and (not force or self._abandoned.is_set()):  # nobody reads on
+                if self._stop.is_set() and not force:
                     if isinstance(item, Future):  # looked up but nobody will train it: hand back
                         item.add_done_callback(self._discard_future)
                     return
