@@ -112,3 +112,14 @@ def test_a_model_with_an_unused_parameter_trains_under_the_default_option(tmp_pa
         assert model.unused.weight.grad is None
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_a_joined_group_is_reused_only_when_it_is_the_one_the_context_would_make():
+    from persia.nn_worker.distributed import check_joined_group
+
+    check_joined_group(2, 1, "gloo", 2, 1, "gloo")
+    for group, mismatch in [((4, 1, "gloo"), "world size 4"), ((2, 0, "gloo"), "as rank 0"),
+                            ((2, 1, "nccl"), "on nccl")]:
+        with pytest.raises(PersiaValidationError, match=mismatch) as info:
+            check_joined_group(*group, 2, 1, "gloo")
+        assert "rank 1 of 2 on gloo" in str(info.value) and "destroy_process_group" in str(info.value)

@@ -148,7 +148,10 @@ class DDPOption(DistributedBaseOption):
     def convert2distributed_model(self, model, world_size, rank_id, device_id=None, master_addr=None, optimizer=None):
         if self.backend == "nccl" and not torch.cuda.is_available():
             raise ValueError("DDPOption(backend='nccl') needs CUDA; use backend='gloo' on CPU")
-        if self.initialization_method == "tcp":
+        if torch.distributed.is_initialized():  # an earlier TrainCtx of this process joined the ranks
+            check_joined_group(torch.distributed.get_world_size(), torch.distributed.get_rank(),
+                               str(torch.distributed.get_backend()), world_size, rank_id, self.backend)
+        elif self.initialization_method == "tcp":
             store = self._tcp_store(master_addr, world_size, rank_id)
             torch.distributed.init_process_group(self.backend, store=store, rank=rank_id, world_size=world_size)
         else:
@@ -177,6 +180,19 @@ class DDPOption(DistributedBaseOption):
         self._listener = socket.create_server((bind, self.master_port), family=family)
         return torch.distributed.TCPStore(addr, self.master_port, world_size, True, timeout=timeout,
                                           master_listen_fd=self._listener.fileno())
+
+
+def check_joined_group(group_world: int, group_rank: int, group_backend: str,
+                       world_size: int, rank: int, backend: str) -> None:
+    """A process group already initialised in this process (by an earlier ``TrainCtx``, or by the
+    user) is reused by the next one only if it is the group that context would have made: torch
+    keeps one default group per process, and joining the ranks again would wait for ever on a
+    rendezvous the other ranks' reused groups never come to."""
+    if (group_world, group_rank, group_backend) != (world_size, rank, backend):
+        raise PersiaValidationError(
+            f"this process already joined a torch.distributed group of world size {group_world} as rank "
+            f"{group_rank} on {group_backend}, but this TrainCtx is rank {rank} of {world_size} on {backend}; "
+            "call torch.distributed.destroy_process_group() on every rank before entering it")
 
 
 def get_default_distributed_option(device_id: int | None = None) -> DDPOption:

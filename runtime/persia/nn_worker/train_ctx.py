@@ -114,6 +114,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order)
         self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
+        self._subs: list = []  # this context's NATS answers, unsubscribed at its exit
         self._control_group = None
         self._thread_tuner: ThreadTuner | None = None
         self._placement: TrainingPlacement | None = None
@@ -137,7 +138,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         configure_embedding_parameter_servers(self, self.embedding_config)
         register_optimizer_on_all_ps(self.embedding_optimizer, self)
         self._resume_at_enter()  # before data loaders are answered: they learn where to start
-        self._subs = self._serve_checkpoint_subjects()  # nn.position too, before nn.info
+        self._subs += self._serve_checkpoint_subjects()  # nn.position too, before nn.info
         self._start_streaming()  # nn.info, after the resume: data loaders learn where to start
         self._worker_clients()
         self._install_sigterm()
@@ -180,7 +181,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     def _init_distributed(self) -> None:
         option = self.distributed_option or _default_option(self.device_id)
         master_addr = option.master_addr
-        if not option.init_with_env_file() and master_addr is None:
+        joined = torch.distributed.is_initialized()  # by an earlier TrainCtx: the option reuses it
+        if not joined and not option.init_with_env_file() and master_addr is None:
             if self.rank == 0:
                 master_addr = advertise_host()
                 if option.master_port == 23456 and os.environ.get("PERSIA_DDP_FREE_PORT", "1") == "1":
@@ -188,7 +190,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                     # listens, and a port-0 pick could be their connect's own source port
                     option.master_port = unclaimed_ports(1, host=bind_address())[0]
                 info = {"addr": master_addr, "port": option.master_port}
-                self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False, schema=NoPayload)
+                # answered until this context's exit: a later one's ranks must not find this port
+                self._subs.append(self.bus.serve(subject("nn", "master"), lambda _o: info, blocking=False,
+                                                 schema=NoPayload))
                 self.bus.flush()
             else:
                 info = self.bus.request_retry(subject("nn", "master"), None, deadline_s=self.discovery_deadline_s,
@@ -652,8 +656,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             log.info("embedding updates: %d carried on lookups, %d sent alone",
                      self._outbox.carried, self._outbox.sent_alone)
             self._restore_sigterm()
-            for sub in getattr(self, "_subs", ()):  # a later TrainCtx in this process answers instead
+            for sub in self._subs:  # a later TrainCtx in this process answers instead
                 self.bus.unsubscribe(sub)
+            self._subs = []
             self._backward_pool.shutdown(wait=exc is None or graceful)
             self.bus.flush()
             super()._exit(exc)
