@@ -120,7 +120,16 @@ class NatsBus:
         self._thread.start()
         self._executor = ThreadPoolExecutor(max_workers=executor_workers, thread_name_prefix=f"bus-{name}")
         self._subs: list[Any] = []
-        self.nc = self.run(self._connect(name))
+        try:
+            self.nc = self.run(self._connect(name))
+        except BaseException:  # refused or interrupted: no loop thread and pool left behind per try
+            self._stop_loop()
+            raise
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _connect(self, name: str):
         servers = with_tls_scheme([u if "://" in u else f"nats://{u}" for u in self.url.split(",")], self.auth)
@@ -380,9 +389,7 @@ class NatsBus:
             self.run(_cancel_other_tasks(), 2)
         except Exception:  # noqa: BLE001
             pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._stop_loop()
 
 
 async def _cancel_other_tasks() -> None:

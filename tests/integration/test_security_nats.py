@@ -36,6 +36,9 @@ def test_unauthenticated_and_wrong_password_clients_are_refused(nats_server):
         with pytest.raises(ConnectionError, match="Authorization Violation|[Aa]uthoriz"):
             NatsBus(nats_server.url, name="intruder", auth=auth, secret=b"")
         assert time.monotonic() - t0 < 30  # a clear error, not a hang
+    # a refused bus leaves no loop thread or pool behind (a role retrying would pile them up)
+    left = [t.name for t in threading.enumerate() if t.name in ("nats-intruder",) or t.name.startswith("bus-intruder")]
+    assert left == []
     ok = NatsBus(nats_server.url, name="member", auth=NatsAuth(**{
         "user": nats_server.user, "password": nats_server.password}), secret=b"")
     ok.close()
