@@ -508,3 +508,30 @@ def test_a_batch_that_finds_the_buffer_full_waits_on_the_loop_until_the_consumer
     finally:
         client.close()
         server.close()
+
+
+def _channel_closed(client) -> bool:
+    """grpc refuses a call on a closed channel at once, before anything is sent."""
+    try:
+        client.call("Ready", None, timeout=5.0)
+    except ValueError as exc:
+        return "closed channel" in str(exc)
+    return False
+
+
+def test_the_context_that_discovered_the_embedding_workers_closes_their_channels_at_its_exit(persia_env):
+    with cluster(num_ps=1, num_workers=2):
+        model = Model()
+        probe = [make_batch(7, requires_grad=False)]
+        with adagrad_ctx(model) as ctx:
+            outer = ctx._worker_clients()
+            with eval_ctx(model=model) as inner:
+                for tb in DataLoader(Eval(probe)):
+                    inner.prepare_features(tb)
+                assert inner._worker_clients() is outer  # shared from the outer context
+            assert not any(_channel_closed(c) for c in outer)  # the inner exit left them open
+        assert all(_channel_closed(c) for c in outer) and len(outer) == 2
+        again = ctx._worker_clients()  # used after its exit, a context discovers the workers afresh
+        assert again is not outer and not any(_channel_closed(c) for c in again)
+        for c in again:
+            c.close()

@@ -83,6 +83,8 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         # before anything starts: a data loader would divide by this world size, in its own process
         env.check_replica(self.rank, self.world_size, "NN worker (env RANK, WORLD_SIZE)")
         self._workers: list[Client] | None = None
+        self._discovered: list[Client] = []  # the clients this context made: closed at its exit
+        self._borrowed: list[Client] | None = None  # an outer context's, for as long as this one is open
         self._rr = 0
         self._rr_lock = threading.Lock()
         self._dump_thread: threading.Thread | None = None
@@ -128,7 +130,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         if self._workers is None:  # nested in a context that found the workers already: share them
             parent = next((c for c in reversed(ctx_stack()) if isinstance(c, EmbeddingCtx) and c._workers), None)
             if parent is not None:
-                self._workers = parent._workers
+                self._workers = self._borrowed = parent._workers
         if self.model is not None:
             self.model.to(self.device)
 
@@ -144,6 +146,18 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             if self._nn_info_sub is not None:
                 self.bus.unsubscribe(self._nn_info_sub)
                 self._nn_info_sub = None
+            self._close_discovered()
+
+    def _close_discovered(self) -> None:
+        """Close the embedding-worker channels this context discovered (one TCP connection and
+        channel state each, for as long as the context object lives); a context used again after
+        its exit discovers the workers afresh. Clients shared from an outer context stay open."""
+        made, self._discovered = self._discovered, []
+        if self._workers is not None and (self._workers is made or self._workers is self._borrowed):
+            self._workers = None
+        self._borrowed = None
+        for client in made:
+            client.close()
 
     def _start_streaming(self) -> None:
         """Answer the data loaders' NN-worker discovery (``nn.info``). Every context that consumes
@@ -166,7 +180,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
     def _worker_clients(self) -> list[Client]:
         if self._workers is None:  # looked up from pool threads too: the parent was taken at _enter
             entries = discover(self.bus, "ew", self.discovery_deadline_s)
-            self._workers = [Client(e["address"], WORKER_SERVICE) for e in entries]
+            self._workers = self._discovered = [Client(e["address"], WORKER_SERVICE) for e in entries]
         return self._workers
 
     def _ps_count(self) -> int:
