@@ -88,15 +88,15 @@ def start_exporter(port: int | None = None) -> int | None:
     with _exporter_lock:
         if _exporter_started:
             return _exporter_port
-        from prometheus_client import start_http_server
+        from persia.metrics_server import serve_metrics
 
         addr = bind_address()
         try:
-            server, _ = start_http_server(port, addr=addr)
+            server = serve_metrics(addr, port)
         except OSError as exc:
             log.warning("metrics port %d on %s: %s; letting the OS choose one", port, addr, exc)
             try:
-                server, _ = start_http_server(0, addr=addr)
+                server = serve_metrics(addr, 0)
             except OSError as exc2:
                 log.warning("cannot serve metrics on %s: %s", addr, exc2)
                 return None
