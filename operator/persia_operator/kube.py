@@ -12,6 +12,7 @@ import json
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -96,44 +97,95 @@ def _seconds(header: str | None) -> float | None:
     return value if value is not None and 0 <= value < 86_400 else None
 
 
+@dataclass(eq=False)
+class _Conn:
+    """A session made for one set of credentials, and the calls running on it. Replaced by newer
+    credentials, it is closed once its last call is done: closing it under a running call failed
+    that call (a re-login after a 401 closed the session every other call of the pass was using)."""
+
+    info: kopf.ConnectionInfo
+    session: aiohttp.ClientSession
+    calls: int = 0
+    retired: bool = False
+
+
+@dataclass(frozen=True)
+class _Answer:
+    status: int
+    reason: str
+    text: str
+    retry_after_s: float | None
+    info: kopf.ConnectionInfo  # the credentials the call was made with
+
+
 class KubeApi:
     """Create, get, merge-patch and delete namespaced objects."""
 
     def __init__(self, login: Callable[[], kopf.ConnectionInfo | None] | None = None, request_timeout: float = 30):
         self._login = login
         self._info: kopf.ConnectionInfo | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._renew = False
+        self._conn: _Conn | None = None
+        self._retired: set[_Conn] = set()  # replaced, still running calls
+        self._login_lock = asyncio.Lock()  # one re-login at a time
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
 
     def set_connection(self, info: kopf.ConnectionInfo) -> None:
-        """Use new credentials (called from the kopf login handler)."""
+        """Use new credentials (called from the kopf login handler, maybe in another thread): the
+        next call gets a session of its own, and the old one closes once its calls are done."""
         self._info = info
-        self._renew = True
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        conns = [*self._retired, *([self._conn] if self._conn is not None else [])]
+        self._retired.clear()
+        self._conn = None
+        for conn in conns:
+            await conn.session.close()
 
-    async def _session_for(self) -> tuple[aiohttp.ClientSession, str]:
-        if self._info is None and self._login is not None:
-            self._info = self._login()
+    async def _relogin(self, refused: kopf.ConnectionInfo | None) -> bool:
+        """Log in again after ``refused`` credentials (None: none yet); whether there are newer
+        ones to try. One login at a time, and none when another call (or kopf's login handler)
+        has replaced them meanwhile: concurrent 401s of one rotated token make one login."""
+        async with self._login_lock:
+            if self._info is not refused:
+                return self._info is not None
+            info = await asyncio.to_thread(self._login) if self._login is not None else None
+            if info is None:
+                return False
+            self._info = info
+            return True
+
+    async def _acquire(self) -> _Conn:
+        """The session of the current credentials, held until :meth:`_release`. The swap to a new
+        session happens before any await, so concurrent calls never see a half-made one."""
         if self._info is None:
+            await self._relogin(None)
+        info = self._info
+        if info is None:
             raise ApiError(None, "NotLoggedIn", "no Kubernetes credentials yet")
-        if self._renew and self._session is not None:
-            await self._session.close()
-            self._session = None
-        self._renew = False
-        if self._session is None or self._session.closed:
-            info = self._info
+        conn = self._conn
+        if conn is None or conn.info is not info or conn.session.closed:
             ssl = info.as_ssl_context() if info.server.startswith("https") else False
-            self._session = aiohttp.ClientSession(
+            session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(ssl=ssl),
                 headers={**info.as_http_headers(), "User-Agent": C.FIELD_MANAGER},
                 timeout=self._timeout,
             )
-        return self._session, self._info.server.rstrip("/")
+            self._conn = _Conn(info, session)
+            if conn is not None:
+                conn.retired = True
+                self._retired.add(conn)
+                if conn.calls == 0:
+                    await self._release(conn, held=False)
+            conn = self._conn
+        conn.calls += 1
+        return conn
+
+    async def _release(self, conn: _Conn, held: bool = True) -> None:
+        if held:
+            conn.calls -= 1
+        if conn.retired and conn.calls == 0 and conn in self._retired:
+            self._retired.discard(conn)
+            await conn.session.close()
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
                        params: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
@@ -153,30 +205,38 @@ class KubeApi:
                 attempt += 1
 
     async def _request_once(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                            params: dict[str, str] | None = None, retry_auth: bool = True) -> dict[str, Any]:  # fmt: skip
-        session, server = await self._session_for()
+                            params: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+        """One call; on a 401 (token rotated) once more with the credentials of a new login."""
+        answer = await self._exchange(method, path, body, content_type, params)
+        if answer.status == 401 and self._login is not None and await self._relogin(answer.info):
+            answer = await self._exchange(method, path, body, content_type, params)
+        if answer.status >= 400:
+            try:
+                status = json.loads(answer.text)
+                raise ApiError(answer.status, status.get("reason", ""), status.get("message", answer.text),
+                               answer.retry_after_s)  # fmt: skip
+            except (ValueError, AttributeError):
+                raise ApiError(answer.status, answer.reason, answer.text[:500], answer.retry_after_s) from None
+        return json.loads(answer.text) if answer.text else {}
+
+    async def _exchange(self, method: str, path: str, body: Any, content_type: str,
+                        params: dict[str, str] | None) -> _Answer:  # fmt: skip
+        """The HTTP exchange on a held session; network failures become ApiError."""
+        conn = await self._acquire()
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
         try:
-            async with session.request(method, server + path, data=data, headers=headers, params=params) as resp:
+            url = conn.info.server.rstrip("/") + path
+            async with conn.session.request(method, url, data=data, headers=headers, params=params) as resp:
                 text = await resp.text()
-                if resp.status == 401 and retry_auth and self._login is not None:
-                    info = self._login()  # token rotated: log in again, once
-                    if info is not None:
-                        self.set_connection(info)
-                        return await self._request_once(method, path, body, content_type, params, retry_auth=False)
-                if resp.status >= 400:
-                    retry_after = _seconds(resp.headers.get("Retry-After"))
-                    try:
-                        status = json.loads(text)
-                        raise ApiError(resp.status, status.get("reason", ""), status.get("message", text), retry_after)
-                    except (ValueError, AttributeError):
-                        raise ApiError(resp.status, resp.reason or "", text[:500], retry_after) from None
-                return json.loads(text) if text else {}
+                return _Answer(resp.status, resp.reason or "", text, _seconds(resp.headers.get("Retry-After")),
+                               conn.info)  # fmt: skip
         except aiohttp.ClientError as err:
             raise ApiError(None, type(err).__name__, str(err)) from err
         except TimeoutError as err:
             raise ApiError(None, "Timeout", f"{method} {path} timed out") from err
+        finally:
+            await self._release(conn)
 
     async def get(self, kind: str, namespace: str, name: str, api_version: str | None = None) -> dict[str, Any] | None:
         try:
