@@ -214,3 +214,44 @@ def test_training_ps_stats_count_failed_writes_and_stop_reports_lost_rows(tmp_pa
     with pytest.raises(RuntimeError, match="failed at shutdown: 3 changed signs not shipped"):
         ps.stop()
     assert ps.stats()["incremental_write_failures"] == 1
+
+
+def test_a_packet_a_killed_writer_left_half_written_is_removed_once_it_is_old(tmp_path, monkeypatch):
+    """A PS SIGKILLed mid-packet leaves a directory without its done marker, which no reader
+    applies; its replica's next writer removes it, at its start or after a packet of its own, once
+    it is older than INCOMPLETE_GRACE_S (never one still being written). Complete packets stay,
+    and so does another replica's."""
+    import datetime as dt
+    import time
+
+    from persia.embedding_ps import incremental
+    from persia.embedding_ps.incremental import INC_DONE_MARKER, INCOMPLETE_GRACE_S, abandoned_packet
+
+    def packet(replica: int, age_s: float, complete: bool):
+        t = dt.datetime.fromtimestamp(time.time() - age_s, dt.timezone.utc)
+        d = tmp_path / f"s{replica}" / f"inc_{t:%Y%m%d%H%M%S}_{t.microsecond:06d}_000001"
+        d.mkdir(parents=True)
+        (d / "dim_4_part_0.inc").write_bytes(b"half")
+        if complete:
+            (d / INC_DONE_MARKER).write_text("{}")
+        return d
+
+    old_half, new_half = packet(0, 2 * INCOMPLETE_GRACE_S, False), packet(0, 5, False)
+    old_done, other_half = packet(0, 2 * INCOMPLETE_GRACE_S, True), packet(1, 2 * INCOMPLETE_GRACE_S, False)
+    store, dumper = _trainer(tmp_path, buffer_size=2)
+    try:
+        assert dumper.incomplete_removed == 1
+        assert not old_half.exists() and new_half.exists() and old_done.exists() and other_half.exists()
+        # the young one, once old enough, goes after the writer's next packet
+        monkeypatch.setattr(incremental, "INCOMPLETE_GRACE_S", 1.0)
+        _train(store, np.arange(1, 4, dtype=np.uint64))
+        dumper.flush()
+        assert dumper.packets_written == 1 and dumper.incomplete_removed == 2 and not new_half.exists()
+        assert old_done.exists() and other_half.exists()
+        now = time.time()
+        grace = INCOMPLETE_GRACE_S  # as imported: 600 s
+        assert not abandoned_packet(now - 5, False, now, grace) and abandoned_packet(now - 5, False, now, 1)
+        assert not abandoned_packet(now - 10 * grace, True, now, grace)
+        assert not abandoned_packet(None, False, now, grace)
+    finally:
+        dumper.close()

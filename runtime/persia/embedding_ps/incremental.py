@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -50,6 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 INC_DONE_MARKER = "inc_update_done"
+INCOMPLETE_GRACE_S = 600.0  # a packet without its marker this old was left by a killed writer
 INC_FORMAT = "persia-embedding-ps-inc/1"
 _ANY_DIM = 0  # key of signs recorded without a dim: looked up in every dim when written
 POLL_ENV = "PERSIA_INCREMENTAL_POLL_SECONDS"
@@ -115,6 +117,7 @@ class IncrementalDumper:
         self._closing = False
         self._seq = 0
         self._cond = threading.Condition()
+        self.incomplete_removed = self._remove_incomplete(time.time())
         self._thread = threading.Thread(target=self._run, name=f"ps-incremental-{replica_index}", daemon=True)
         self._thread.start()
         self._attached = attach
@@ -279,7 +282,30 @@ class IncrementalDumper:
         self.rows_written += rows
         if self.retention_s > 0:
             self._delete_older_than(now.timestamp() - self.retention_s)
+        self.incomplete_removed += self._remove_incomplete(now.timestamp())  # a restart within the grace
         return pdir
+
+    def _remove_incomplete(self, now_unix: float) -> int:
+        """Remove the packets of this replica that a killed process left half-written (no done
+        marker: no reader ever applies them), kept until the retention otherwise, for good with
+        retention 0. Only those older than ``INCOMPLETE_GRACE_S`` by their names: a replica's
+        previous process is gone by then, and no packet takes that long to write. At the start
+        and after each packet (a process restarted within the grace finds it later)."""
+        removed = 0
+        if not self.directory.is_dir():
+            return 0
+        for packet in sorted(self.directory.glob("inc_*")):
+            created = packet_time(packet.name)
+            if not abandoned_packet(created, (packet / INC_DONE_MARKER).exists(), now_unix):
+                continue
+            try:
+                shutil.rmtree(packet)
+            except OSError as exc:
+                log.warning("incomplete incremental packet %s not removed: %s", packet, exc)
+                continue
+            removed += 1
+            log.warning("removed incomplete incremental packet %s (its writer was killed while writing it)", packet)
+        return removed
 
     def _delete_older_than(self, cutoff_unix: float) -> None:
         """Remove this replica's packets created before ``cutoff_unix`` (by their names: no
@@ -294,6 +320,15 @@ class IncrementalDumper:
                 log.warning("incremental packet %s not deleted after its retention: %s", packet, exc)
                 continue
             self.packets_deleted += 1
+
+
+def abandoned_packet(created_unix: float | None, complete: bool, now_unix: float,
+                     grace_s: float | None = None) -> bool:
+    """Whether a packet directory is one a killed writer left half-written (pure): no done marker,
+    and named more than ``grace_s`` (``INCOMPLETE_GRACE_S``) ago; a name that is not a packet's is
+    never one."""
+    grace = INCOMPLETE_GRACE_S if grace_s is None else grace_s
+    return created_unix is not None and not complete and now_unix - created_unix > grace
 
 
 def packet_time(name: str) -> float | None:
