@@ -76,6 +76,7 @@ class Children:
     objects: dict[tuple[str, str], str | None] = field(default_factory=dict)  # -> owner uid
     pods: tuple[PodState, ...] = ()
     data_hashes: dict[str, str] = field(default_factory=dict)  # ConfigMap name -> data_hash
+    pod_group_sizes: dict[str, int] = field(default_factory=dict)  # PodGroup name -> spec.minMember
 
     @classmethod
     def from_summaries(cls, summaries: Iterable[dict[str, Any]], owner_uid: str | None = None) -> "Children":
@@ -84,6 +85,7 @@ class Children:
         workloads: dict[tuple[str, str], WorkloadState] = {}
         objects: dict[tuple[str, str], str | None] = {}
         hashes: dict[str, str] = {}
+        sizes: dict[str, int] = {}
         pods: list[PodState] = []
         for s in summaries:
             kind = s["kind"]
@@ -96,9 +98,11 @@ class Children:
                 workloads[(kind, s["name"])] = _workload_from_summary(s)
             if kind == "ConfigMap" and s.get("data_hash"):
                 hashes[s["name"]] = s["data_hash"]
+            if kind == "PodGroup" and isinstance(s.get("min_member"), int):
+                sizes[s["name"]] = s["min_member"]
             objects[(kind, s["name"])] = s.get("owner_uid")
         pods.sort(key=lambda p: p.name)
-        return cls(workloads=workloads, objects=objects, pods=tuple(pods), data_hashes=hashes)
+        return cls(workloads=workloads, objects=objects, pods=tuple(pods), data_hashes=hashes, pod_group_sizes=sizes)
 
     def pods_of(self, role: str, attempt: int) -> list[PodState]:
         return [p for p in self.pods if p.role == role and p.attempt == str(attempt)]
@@ -205,6 +209,8 @@ def summarize(kind: str, body: dict[str, Any]) -> dict[str, Any]:
         )
     elif kind == "ConfigMap":
         summary["data_hash"] = data_hash(body.get("data") or {})
+    elif kind == "PodGroup":
+        summary["min_member"] = spec.get("minMember")  # follows the job's size (plan.py)
     return summary
 
 

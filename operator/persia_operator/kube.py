@@ -253,10 +253,10 @@ class KubeApi:
         return await self._request("POST", path, manifest, params=params)
 
     async def merge_patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any],
-                          subresource: str | None = None) -> dict[str, Any]:  # fmt: skip
+                          subresource: str | None = None, api_version: str | None = None) -> dict[str, Any]:  # fmt: skip
         params = {"fieldManager": C.FIELD_MANAGER}
-        return await self._request("PATCH", resource_path(kind, namespace, name, subresource), patch,
-                                   content_type="application/merge-patch+json", params=params)  # fmt: skip
+        path = resource_path(kind, namespace, name, subresource, api_version=api_version)
+        return await self._request("PATCH", path, patch, content_type="application/merge-patch+json", params=params)
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
         """Delete with background propagation; False when it was already gone. ``uid``: only that

@@ -36,6 +36,7 @@ class Patch:
     kind: str
     name: str
     patch: dict[str, Any]
+    api_version: str | None = None  # a PodGroup's: two gang schedulers share the kind
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,18 @@ def _stale_config(job: str, manifests: list[dict[str, Any]], children: Children,
                 keys = (C.GLOBAL_CONFIG_FILE, C.EMBEDDING_CONFIG_FILE)
                 return Patch("ConfigMap", name, {"data": {k: m["data"].get(k) for k in keys}})
     return None
+
+
+def _pod_group_resize(manifest: dict[str, Any], children: Children) -> Patch | None:
+    """The job's PodGroup set to the job's size after a replica change: it was only ever
+    created, so a job scaled down kept a minMember larger than its pods (the gang never
+    scheduled again) and one scaled up could start partly placed. Rendered before the
+    workloads, it is patched before the new attempt's pods are created."""
+    name = manifest["metadata"]["name"]
+    have, want = children.pod_group_sizes.get(name), manifest["spec"]["minMember"]
+    if have is None or have == want:
+        return None
+    return Patch("PodGroup", name, {"spec": {"minMember": want}}, api_version=manifest["apiVersion"])
 
 
 def _cleanup(policy: str, children: Children) -> list[Action]:
@@ -147,6 +160,10 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
                 )  # fmt: skip
         elif (kind, name) not in children.objects:
             actions.append(Create(manifest))
+        elif kind == "PodGroup":
+            resize = _pod_group_resize(manifest, children)
+            if resize is not None:
+                actions.append(resize)
     if ("Secret", naming.auth_secret_name(meta.name)) not in children.objects:
         actions.append(Create(render_auth_secret(job, token(), token(), token())))
     return actions

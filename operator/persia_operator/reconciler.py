@@ -16,7 +16,7 @@ from typing import Any
 
 from . import constants as C
 from . import naming, opmetrics
-from .children import WORKLOAD_KINDS, Children
+from .children import WORKLOAD_KINDS, Children, summarize
 from .events import JobEvent, transition_events
 from .job import JobStatus
 from .kube import ApiError, KubeApi
@@ -205,7 +205,10 @@ class Reconciler:
                 continue
             owners = [r.get("uid") for r in (body.get("metadata") or {}).get("ownerReferences") or []
                       if r.get("kind") == C.KIND]  # fmt: skip
-            summaries.append({"kind": kind, "name": obj_name, "owner_uid": owners[0] if owners else None})
+            summary: dict[str, Any] = {"kind": kind, "name": obj_name, "owner_uid": owners[0] if owners else None}
+            if kind == "PodGroup":
+                summary["min_member"] = summarize(kind, body).get("min_member")
+            summaries.append(summary)
             if kind == "Secret":
                 secrets[obj_name] = secret_data(body)
         return summaries, secrets
@@ -230,7 +233,8 @@ class Reconciler:
                     await self._create(action, uid, logger)
                 elif isinstance(action, Patch):
                     logger.info(f"Patching {action.kind}/{action.name}")
-                    await self.api.merge_patch(action.kind, namespace, action.name, action.patch)
+                    await self.api.merge_patch(action.kind, namespace, action.name, action.patch,
+                                               api_version=action.api_version)  # fmt: skip
                 elif isinstance(action, Delete):
                     logger.info(f"Deleting {action.kind}/{action.name}: {action.why}")
                     await self.api.delete(action.kind, namespace, action.name)

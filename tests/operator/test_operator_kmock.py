@@ -284,3 +284,15 @@ async def test_namespaced_operator_ignores_other_namespaces(cluster):
         assert not cluster.names("v1/services", "ns2")
     finally:
         await runner.stop()
+
+
+async def test_a_resize_sets_the_pod_group_to_the_new_size(cluster, operator):
+    # KMock cannot: run Volcano; the PodGroup's spec is what is checked.
+    await running_job(cluster, job_body(scheduling={"gang": "volcano", "queue": "gpu"}))
+    group = "scheduling.volcano.sh/v1beta1/podgroups"
+    assert cluster.get(group, NS, "demo-gang")["spec"]["minMember"] == 7
+    await cluster.patch(PJ, NS, NAME, {"spec": {"nnWorker": {"replicas": 1}}})
+    await wait_for(lambda: cluster.get(group, NS, "demo-gang")["spec"]["minMember"] == 6, what="minMember 6")
+    await wait_for(lambda: at_attempt(cluster, 1), what="the new attempt's workloads")
+    assert cluster.get("batch/v1/jobs", NS, "demo-nn-worker")["spec"]["completions"] == 1
+    assert cluster.get(group, NS, "demo-gang")["spec"]["queue"] == "gpu"  # a merge patch: the rest stays

@@ -186,3 +186,23 @@ def test_a_running_attempt_never_gets_its_configs_changed_under_it():
     sim = Sim().running()
     actions = plan(sim, _with_config_hash(sim.children(), "0123456789abcdef"))
     assert not [a for a in actions if isinstance(a, Patch)]  # a restarted pod would read other configs
+
+
+@pytest.mark.parametrize("gang, api_version", [
+    ("volcano", "scheduling.volcano.sh/v1beta1"), ("coscheduling", "scheduling.x-k8s.io/v1alpha1")])  # fmt: skip
+@pytest.mark.parametrize("mode", ["batch", "online"])
+def test_a_resize_sets_the_pod_group_to_the_new_size(gang, api_version, mode):
+    """The PodGroup was only ever created: scaled down, its minMember stayed above the job's pods
+    (the gang never scheduled again); scaled up, the new pods could start partly placed."""
+    sim = Sim(job_body(scheduling={"gang": gang}, trainingMode=mode)).running()
+    old = sim.children()  # the PodGroup as created: minMember 7
+    sim.body["spec"]["nnWorker"]["replicas"] = 1
+    sim.step(old)
+    actions = plan(sim, old)
+    patches = [a for a in actions if isinstance(a, Patch)]
+    assert [(p.kind, p.name, p.patch) for p in patches][:1] == [("PodGroup", "demo-gang", {"spec": {"minMember": 6}})]
+    assert patches[0].api_version == api_version  # the path of the gang scheduler's PodGroup
+    # before the workloads of the new size: an online job's Deployment is scaled in the same pass
+    assert [p.kind for p in patches] == (["PodGroup", "Deployment"] if mode == "online" else ["PodGroup"])
+    resized = [{**s, "min_member": 6} if s["kind"] == "PodGroup" else s for s in old]
+    assert not [a for a in plan(sim, resized) if isinstance(a, Patch) and a.kind == "PodGroup"]
