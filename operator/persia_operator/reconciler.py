@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import constants as C
-from . import naming, opmetrics
+from . import naming, opmetrics, refusals
 from .children import WORKLOAD_KINDS, Children, summarize
 from .events import JobEvent, transition_events
 from .job import JobStatus
@@ -85,6 +85,7 @@ class Reconciler:
         self.clock = clock
         self.passes = 0
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._refusals: dict[tuple[str, str], dict[refusals.Key, refusals.Refusal]] = {}  # per job
         self.phases = opmetrics.PhaseCounts()
 
     async def reconcile(
@@ -96,6 +97,7 @@ class Reconciler:
             if body is None or (body.get("metadata") or {}).get("deletionTimestamp") or not managed_here(body):
                 if body is None:
                     self._locks.pop((namespace, name), None)
+                    self._refusals.pop((namespace, name), None)
                 self.nats.forget((namespace, name))
                 self.phases.set((namespace, name), None)
                 return None
@@ -121,6 +123,7 @@ class Reconciler:
             if lock is not None and lock.locked():
                 continue  # a pass of it runs now: it forgets the job itself if it is gone
             self._locks.pop(key, None)
+            self._refusals.pop(key, None)
             self.nats.forget(key)
             self.phases.set(key, None)
 
@@ -133,8 +136,12 @@ class Reconciler:
         children = Children.from_summaries([*summaries, *extra], owner_uid=meta.uid)
         nats = self._watch_nats(observed, spec, secrets)
         now = self.clock()
-        status = derive_status(observed, children, now, nats=nats)
-        actions = plan_actions(meta, status, children, now)
+        key = (meta.namespace, meta.name)
+        refused = self._refusals.get(key, {})
+        reported = _ordered(refusals.held_errors(refused, now))  # still named on the job while held back
+        status = derive_status(observed, children, now, reported, nats=nats)
+        planned = plan_actions(meta, status, children, now)
+        actions, held = refusals.hold(planned, refused, now)  # refused for good, not due again
         child_actions = [a for a in actions if not isinstance(a, DeleteJob)]
         # The decision is saved before it is acted on. Acted on first, a status write that then
         # failed (throttled, timed out, the pass cancelled) left the children changed under the
@@ -144,10 +151,17 @@ class Reconciler:
         # carried out by the next pass (the plan follows the status, and repeats harmlessly).
         written = await self._write_status(body, observed.status, status, logger)
         errors = await self._execute(meta.namespace, meta.uid, child_actions, logger)
-        if errors:
+        now_refused = refusals.next_refusals(refused, planned, errors, now)
+        if now_refused:
+            self._refusals[key] = now_refused
+        else:
+            self._refusals.pop(key, None)
+        errors = _ordered([*held, *errors])
+        if errors != reported:
             failed = derive_status(observed, children, now, errors, nats=nats)
-            await self._write_status(written, status, failed, logger)
+            written = await self._write_status(written, status, failed, logger)
             status = failed
+        await self._post_events(written, refusals.refusal_events(refused, now_refused), logger)
         if status.attempt != observed.status.attempt and status.is_true(C.COND_RESTARTING):
             opmetrics.RESTARTS.labels(reason=status.condition(C.COND_RESTARTING).reason).inc()  # type: ignore[union-attr]
         for action in actions:
@@ -274,12 +288,15 @@ class Reconciler:
             return body
         meta = body["metadata"]
         await self.api.merge_patch(C.KIND, meta["namespace"], meta["name"], {"status": patch}, subresource="status")
-        for event in transition_events(prev, status):
+        await self._post_events(body, transition_events(prev, status), logger)
+        return {**body, "status": new}
+
+    async def _post_events(self, body: dict[str, Any], events: Iterable[JobEvent], logger: Any) -> None:
+        for event in events:
             try:
                 await self.api.create(event_manifest(body, event, self.clock()))
             except ApiError as err:  # events are best effort
                 logger.debug(f"Could not post event {event.reason}: {err}")
-        return {**body, "status": new}
 
 
 def managed_here(body: dict[str, Any]) -> bool:
@@ -288,6 +305,11 @@ def managed_here(body: dict[str, Any]) -> bool:
     accepted = (body.get("status") or {}).get("acceptedSpec")
     spec = accepted if isinstance(accepted, dict) else body.get("spec") or {}
     return spec.get("managedBy") in (None, C.MANAGED_BY_VALUE)  # a later edit is a rejected change
+
+
+def _ordered(errors: Iterable[ChildError]) -> list[ChildError]:
+    """One order for the same errors, so that a pass can tell whether they changed."""
+    return sorted(errors, key=lambda e: (e.kind, e.name, e.action, e.message))
 
 
 def _spec_of(observed: ObservedJob) -> PersiaJobSpec | None:
