@@ -86,6 +86,12 @@ def collect_summaries(indexes: dict[str, Any], namespace: str, name: str) -> lis
     return summaries
 
 
+def job_version(indexes: dict[str, Any], namespace: str, name: str) -> str | None:
+    """The job's resourceVersion as kopf's index last saw it."""
+    store = (indexes.get("persia_persiajobs") or {}).get((namespace, name))
+    return next(iter(store), None) if store is not None else None
+
+
 def failed_passes(keys: Sequence[JobKey], results: Sequence[object]) -> dict[JobKey, Exception]:
     """The jobs whose pass raised, with the error: gather(return_exceptions=True) puts
     errors in place of results without saying whose they are, and an error no one
@@ -158,8 +164,9 @@ def register(
     jobs_ready = asyncio.Event()  # kopf runs resource handlers only once indexes are filled
 
     @kopf.index(C.GROUP, C.VERSION, C.PLURAL, id="persia_persiajobs", registry=registry)
-    def index_job(namespace: str, name: str, **_: Any) -> dict[tuple[str, str], bool]:
-        return {(namespace, name): True}
+    def index_job(namespace: str, name: str, meta: Any, **_: Any) -> dict[tuple[str, str], str | None]:
+        """The job's resourceVersion: a finished job is read again only once it changes."""
+        return {(namespace, name): meta.get("resourceVersion")}
 
     @kopf.on.startup(registry=registry)
     async def start_periodic(**kwargs: Any) -> None:
@@ -175,6 +182,9 @@ def register(
         log = logging.getLogger("persia_operator")
 
         async def one(namespace: str, name: str) -> ApiError | None:
+            summaries = collect_summaries(indexes, namespace, name)
+            if not reconciler.periodic_pass_due(namespace, name, job_version(indexes, namespace, name), summaries):
+                return None  # finished, and nothing changed since its last pass: no call
             async with limit:
                 try:
                     # bounded: the round waits for its slowest pass, so one job whose calls hang

@@ -101,6 +101,18 @@ def _cleanup(policy: str, children: Children) -> list[Action]:
     return actions
 
 
+def ttl_due_at(status: JobStatus) -> datetime | None:
+    """When a finished job is deleted (runPolicy.ttlSecondsAfterFinished after its completion)."""
+    done = parse_time(status.completion_time)
+    if done is None or status.accepted_spec is None:
+        return None
+    try:
+        ttl = parse_spec(status.accepted_spec).run_policy.ttl_seconds_after_finished
+    except SpecError:
+        return None
+    return None if ttl is None else done + timedelta(seconds=ttl)
+
+
 def new_token() -> str:
     """32 random bytes, URL-safe, starting with a letter: nats-server parses a `$VAR` from the
     environment as a config value, and one starting with '-' or with digits and '-' (about 1
@@ -120,9 +132,9 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
         return []  # unreadable (an older operator's); the next status pass replaces it
     if status.terminal():
         actions = _cleanup(spec.run_policy.clean_pod_policy, children)
-        ttl = spec.run_policy.ttl_seconds_after_finished
-        done = parse_time(status.completion_time)
-        if ttl is not None and done is not None and now >= done + timedelta(seconds=ttl):
+        due = ttl_due_at(status)
+        if due is not None and now >= due:
+            ttl = spec.run_policy.ttl_seconds_after_finished
             actions.append(DeleteJob(f"finished {ttl}s ago (ttlSecondsAfterFinished)"))
         return actions
     if status.is_true(C.COND_SUSPENDED):

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from . import constants as C
-from . import naming, opmetrics, refusals
+from . import naming, opmetrics, refusals, settled
 from .children import WORKLOAD_KINDS, Children, summarize
 from .events import JobEvent, transition_events
 from .job import JobStatus
@@ -86,13 +86,23 @@ class Reconciler:
         self.passes = 0
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._refusals: dict[tuple[str, str], dict[refusals.Key, refusals.Refusal]] = {}  # per job
+        self._settled: dict[tuple[str, str], settled.Settled] = {}  # finished jobs a pass left as they were
         self.phases = opmetrics.PhaseCounts()
+
+    def periodic_pass_due(self, namespace: str, name: str, version: str | None,
+                          summaries: Iterable[dict[str, Any]]) -> bool:  # fmt: skip
+        """Whether the periodic loop runs a pass of the job (``version``: its resourceVersion in
+        kopf's index): not for a finished job whose last pass changed nothing, until it or its
+        children change or its TTL is due (:mod:`settled`)."""
+        memo = self._settled.get((namespace, name))
+        return settled.pass_due(memo, version, settled.fingerprint(summaries), self.clock())
 
     async def reconcile(
         self, namespace: str, name: str, summaries: Iterable[dict[str, Any]], logger: Logger
     ) -> JobStatus | None:
         lock = self._locks.setdefault((namespace, name), asyncio.Lock())
         async with lock:
+            self._settled.pop((namespace, name), None)  # set again by a pass that changes nothing
             body = await self.api.get(C.KIND, namespace, name)
             if body is None or (body.get("metadata") or {}).get("deletionTimestamp") or not managed_here(body):
                 if body is None:
@@ -124,12 +134,14 @@ class Reconciler:
                 continue  # a pass of it runs now: it forgets the job itself if it is gone
             self._locks.pop(key, None)
             self._refusals.pop(key, None)
+            self._settled.pop(key, None)
             self.nats.forget(key)
             self.phases.set(key, None)
 
     async def _pass(self, body: dict[str, Any], summaries: list[dict[str, Any]], logger: Any) -> JobStatus:
         observed = ObservedJob.from_body(body)
         meta = observed.metadata
+        indexed = settled.fingerprint(summaries)  # before the ghosts are read: as the loop sees them
         spec = _spec_of(observed)
         extra, secrets = await self._observe_by_get(meta.namespace, meta.name, spec)
         summaries = await self._without_ghosts(meta.namespace, summaries, observed.status.attempt)
@@ -169,6 +181,10 @@ class Reconciler:
                 logger.info(f"Deleting PersiaJob {meta.namespace}/{meta.name}: {action.why}")
                 # this job only: one deleted and applied again meanwhile has another uid (409)
                 await self.api.delete(C.KIND, meta.namespace, meta.name, uid=meta.uid)
+        memo = settled.settled_after(status, written is not body or bool(planned or errors),
+                                     (body.get("metadata") or {}).get("resourceVersion"), indexed)  # fmt: skip
+        if memo is not None:
+            self._settled[key] = memo
         return status
 
     async def _without_ghosts(self, namespace: str, summaries: list[dict[str, Any]], attempt: int

@@ -142,12 +142,13 @@ async def test_nn_workers_complete_succeeds_and_servers_are_cleaned(cluster, ope
     assert cluster.condition(NS, NAME, C.COND_SUCCEEDED)["reason"] == "NNWorkersCompleted"
     assert cluster.status(NS, NAME)["replicaStatuses"]["nnWorker"]["succeeded"] == 2
     await wait_for(lambda: set(workloads(cluster, NS, NAME)) == {"Job/demo-nn-worker"}, what="cleanup")
-    # Terminal is sticky: a late failure of a leftover pod changes nothing.
+    # Terminal is sticky: a late failure of a leftover pod changes nothing but the counts (a
+    # settled finished job has no pass of its own every round, only one when a child changes).
     await cluster.set_pod_status(NS, "demo-embedding-ps-a0-0", failed_pod_status(1))
-    await wait_for(lambda: operator.passes > 0)
-    passes = operator.passes
-    await wait_for(lambda: operator.passes >= passes + 3, what="more passes")
+    await wait_for(lambda: cluster.status(NS, NAME)["replicaStatuses"]["embeddingParameterServer"]["failed"] == 1,
+                   what="a pass that saw the failure")  # fmt: skip
     assert phase(cluster) == "Succeeded"
+    assert cluster.condition(NS, NAME, C.COND_SUCCEEDED)["status"] == "True"
 
 
 async def test_suspend_and_resume(cluster, operator):

@@ -1,6 +1,7 @@
 """The periodic reconcile loop (handlers.py): a job whose pass raises something other
 than an API error is named in the log with its traceback and in a Warning event, and the
-other jobs go on being reconciled.
+other jobs go on being reconciled; a finished job whose last pass changed nothing is not read
+again until it or its children change or its TTL is due.
 
 What KMock cannot check (see operator_testkit.py): nothing here depends on it beyond
 storing the jobs, their status and the events."""
@@ -10,13 +11,16 @@ from __future__ import annotations
 import collections
 import logging
 
-from operator_testkit import job_body, wait_for
+from datetime import timedelta
+
+from operator_testkit import NOW, PJ, Sim, failed, failed_pod_status, job_body, start_pods, wait_for
 
 from persia_operator import constants as C
 from persia_operator.events import JobEvent
 from persia_operator.handlers import (API_ERRORS_BEFORE_EVENT, api_error_streaks, events_due, failed_passes,
                                       failure_event)
 from persia_operator.kube import ApiError
+from persia_operator.settled import Settled, pass_due, settled_after
 
 NS = "ns1"
 
@@ -132,3 +136,65 @@ async def test_a_pass_that_hangs_is_cut_short_and_the_other_jobs_go_on(cluster, 
     await wait_for(lambda: calls["good"] >= 3 and calls["stuck"] >= 3, what="rounds that go on past a hung pass")
     await wait_for(lambda: [e for e in cluster.events(NS) if e.get("reason") == "ReconcileFailed"
                             and e["involvedObject"]["name"] == "stuck"], what="the hung pass reported")
+
+
+def test_a_finished_job_that_changed_nothing_settles_until_its_ttl():
+    sim = Sim(job_body(runPolicy={"ttlSecondsAfterFinished": 60})).running()
+    sim.step(sim.children(overrides={"demo-embedding-ps-0": failed(2)}))
+    assert sim.status.phase == "Failed"
+    memo = settled_after(sim.status, False, "7", "children")
+    assert memo == Settled("7", "children", sim.now.replace(microsecond=0) + timedelta(seconds=60))
+    assert not pass_due(memo, "7", "children", sim.now + timedelta(seconds=59))
+    assert pass_due(memo, "7", "children", sim.now + timedelta(seconds=61))  # its TTL
+    assert pass_due(memo, "8", "children", sim.now) and pass_due(memo, "7", "a pod went", sim.now)
+    assert settled_after(sim.status, True, "7", "children") is None  # it wrote or acted: again
+    assert pass_due(None, "7", "children", sim.now)
+    running = Sim().running()
+    assert settled_after(running.status, False, "7", "children") is None
+    no_ttl = Sim().running()
+    no_ttl.step(no_ttl.children(overrides={"demo-embedding-ps-0": failed(2)}))
+    assert not pass_due(settled_after(no_ttl.status, False, "7", "c"), "7", "c", NOW + timedelta(days=365))
+
+
+def operator_reads(cluster, job: str) -> int:
+    """GETs of the operator's own client of ``job`` and of its children read by name."""
+    return sum(1 for r in list(cluster.k) if r.method == "GET" and r.headers.get("User-Agent") == C.FIELD_MANAGER
+               and r.name is not None and (r.name == job or r.name.startswith(f"{job}-")))  # fmt: skip
+
+
+async def test_a_finished_job_is_not_read_every_round(cluster, operator):
+    """A finished job was read with its Secrets, PDBs and PodGroup (about 5 GETs) every round
+    for as long as it was kept. A running job beside it counts the rounds (its pass reads it)."""
+    ttl = 10  # past the two quiet spells below, on a loaded machine too
+    await cluster.create(job_body("live"))
+    await cluster.create(job_body("done", runPolicy={"ttlSecondsAfterFinished": ttl}))
+    await wait_for(lambda: (cluster.condition(NS, "done", C.COND_CREATED) or {}).get("status") == "True",
+                   what="done created")  # fmt: skip
+    await start_pods(cluster, NS, "done")
+    await wait_for(lambda: cluster.status(NS, "done").get("phase") == "Running", what="done Running")
+    await cluster.set_pod_status(NS, "done-nn-worker-a0-0", failed_pod_status(1))
+    await wait_for(lambda: cluster.status(NS, "done").get("phase") == "Failed", what="done Failed")
+
+    def rounds() -> int:
+        return sum(1 for r in list(cluster.k) if r.method == "GET" and r.name == "live"
+                   and r.headers.get("User-Agent") == C.FIELD_MANAGER)  # fmt: skip
+
+    async def quiet(what: str) -> None:
+        """Five rounds in a row without a read of the finished job."""
+        mark = {"rounds": rounds(), "reads": operator_reads(cluster, "done")}
+
+        def five_quiet_rounds() -> bool:
+            if operator_reads(cluster, "done") != mark["reads"]:  # read again: count anew
+                mark.update(rounds=rounds(), reads=operator_reads(cluster, "done"))
+                return False
+            return rounds() >= mark["rounds"] + 5
+
+        await wait_for(five_quiet_rounds, timeout=ttl / 2, what=what)
+
+    await quiet("five rounds without reading the finished job")  # its cleanup done, its status final
+    assert cluster.job(NS, "done") is not None  # settled, not deleted
+    before = operator_reads(cluster, "done")
+    await cluster.patch(PJ, NS, "done", {"metadata": {"labels": {"team": "a"}}})
+    await wait_for(lambda: operator_reads(cluster, "done") > before, what="the changed job read again")
+    await quiet("settled again")
+    await wait_for(lambda: cluster.job(NS, "done") is None, timeout=ttl + 10, what="deleted at its TTL")
