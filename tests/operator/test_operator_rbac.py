@@ -124,6 +124,13 @@ async def drive_every_path(cluster: Cluster, operator: Any) -> None:
     await cluster.create(job_body(name="c"))
     await wait_for(lambda: (cluster.condition(NS, "c", C.COND_CREATED) or {}).get("reason") == "ChildCreateFailed",
                    what="c cannot create the taken name")  # fmt: skip
+    # D: a Volcano gang resized (B's resize patched a coscheduling PodGroup): minMember follows.
+    group = "scheduling.volcano.sh/v1beta1/podgroups"
+    await cluster.create(job_body(name="d", scheduling={"gang": "volcano"}))
+    await wait_for(lambda: len(workloads(cluster, NS, "d")) == 5, what="d's workloads")
+    before = cluster.get(group, NS, "d-gang")["spec"]["minMember"]
+    await cluster.patch(PJ, NS, "d", {"spec": {"nnWorker": {"replicas": 1}}})
+    await wait_for(lambda: cluster.get(group, NS, "d-gang")["spec"]["minMember"] == before - 1, what="d's gang resized")
 
 
 async def test_chart_rbac_is_exactly_what_the_operator_calls(cluster, operator):

@@ -81,9 +81,10 @@ them from a run of the operator and compares both ways). */}}
   resources: ["secrets"]
   verbs: ["get", "create"]
 # Gang scheduling (spec.scheduling.gang); harmless where the CRDs are not installed.
+# patch: a resize sets minMember to the job's new size.
 - apiGroups: ["scheduling.volcano.sh", "scheduling.x-k8s.io"]
   resources: ["podgroups"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
