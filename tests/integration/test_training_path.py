@@ -535,3 +535,20 @@ def test_the_context_that_discovered_the_embedding_workers_closes_their_channels
         assert again is not outer and not any(_channel_closed(c) for c in again)
         for c in again:
             c.close()
+
+
+def test_a_train_ctx_entered_again_is_refused_at_the_with_naming_what_to_do(persia_env):
+    """Its outbox, pools and corrector end at its exit: entered again, it used to fail at the
+    first backward with an internal "update outbox is closed"."""
+    from persia.errors import UnsupportedError
+
+    with cluster():
+        model = Model()
+        ctx = adagrad_ctx(model)
+        with ctx:
+            pass
+        with pytest.raises(UnsupportedError, match="can be entered once; make a new TrainCtx"):
+            with ctx:
+                pass
+        with adagrad_ctx(model):  # a new one trains on
+            pass

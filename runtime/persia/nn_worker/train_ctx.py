@@ -15,7 +15,8 @@ import torch
 from persia import env
 from persia.allocator import LargeBuffers, has_large_buffers
 from persia.bus import subject
-from persia.errors import BatchLost, PersiaError, PersiaValidationError, RemoteError, TooManyWaiting, answered_with
+from persia.errors import (BatchLost, PersiaError, PersiaValidationError, RemoteError, TooManyWaiting, UnsupportedError,
+                           answered_with)
 from persia.metrics import Metrics
 from persia.nn_worker.embedding_ctx import (
     EmbeddingCtx,
@@ -115,6 +116,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
         self._subs: list = []  # this context's NATS answers, unsubscribed at its exit
+        self._entered = False
         self._control_group = None
         self._thread_tuner: ThreadTuner | None = None
         self._placement: TrainingPlacement | None = None
@@ -132,6 +134,11 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         return super()._entry_spans() + ([self._large_buffers] if large else [])
 
     def _enter(self) -> None:
+        if self._entered:  # its update outbox, pools and corrector ended at its exit
+            raise UnsupportedError("this TrainCtx was entered before: a TrainCtx can be entered once; make a new "
+                                   "TrainCtx for the next `with` (the embeddings stay on the PS, the dense model "
+                                   "in the model object)")
+        self._entered = True
         super()._enter()
         if self.world_size > 1:
             self._init_distributed()
