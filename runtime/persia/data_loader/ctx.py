@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
 import threading
 import time
+from typing import Any, Callable
 
 import nats.errors
 
 from persia import env
-from persia.bus import NatsBus, shared_bus, subject
+from persia.bus import BUSY_MAX_BACKOFF, WAITING_FIRST_REPORT_S, WAITING_REPORT_S, NatsBus, shared_bus, subject
 from persia.config import UnknownSlotError
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.grouping import (HeldBatch, SendGroups, data_group_setting, fits_group, hold_setting,
                                         id_leg_failures)
 from persia.data_loader.resume import StreamPosition, live_resume, loader_count_error, position_from_info
+from persia.data_loader.trainers import TRAINER_GRACE_S, TrainerGone
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
 from persia import messages as M
@@ -76,9 +79,14 @@ class DataCtx(BaseCtx):
     its batch for the next one (``persia.data_loader.grouping``). Leaving the ``with`` block sends
     what is held, then each NN rank an end-of-stream message carrying how many batches this loader
     sent it. Serves ``/metrics`` (role ``data_loader``) when metrics are on: docs/metrics.md.
+
+    A send to an NN rank that said it finished training (``nn.done``) and has not answered since
+    fails ``trainer_grace_s`` after that, once nobody listens for the rank (``TrainerGone``),
+    instead of retrying until ``send_deadline_s``: ``persia.data_loader.trainers``.
     """
 
-    def __init__(self, *args, discovery_deadline_s: float = 600.0, send_deadline_s: float = 600.0, **kwargs):
+    def __init__(self, *args, discovery_deadline_s: float = 600.0, send_deadline_s: float = 600.0,
+                 trainer_grace_s: float = TRAINER_GRACE_S, **kwargs):
         super().__init__(*args, **kwargs)
         # PERSIA's BaseCtx: a process with a RANK (and no REPLICA_*) is indexed by its rank.
         index, size = env.get_replica_index(), env.get_replica_size()
@@ -89,6 +97,7 @@ class DataCtx(BaseCtx):
         start_exporter()
         self._metrics = Metrics("data_loader", self.replica_index)
         self.send_deadline_s = send_deadline_s
+        self.trainer_grace_s = trainer_grace_s
         self._groups = SendGroups(data_group_setting(os.environ))  # checked before anything is sent
         self._hold_s = hold_setting(os.environ)
         # guards the held batches; the sends themselves run outside it, so threads send in parallel
@@ -134,7 +143,8 @@ class DataCtx(BaseCtx):
         loader_stream.set_finisher(self._send_end_of_stream)
         if not self._stream.watching_trainers:
             self._stream.watching_trainers = True
-            self.bus.subscribe_events(subject("nn", "done"), lambda m: self._stream.trainers_done.add(m["rank"]),
+            trainers = self._stream.trainers
+            self.bus.subscribe_events(subject("nn", "done"), lambda m: trainers.done(int(m["rank"])),
                                       schema=M.TrainerDone)
         log.info("data loader %d/%d: %d embedding workers, NN world size %d (epoch %d)",
                  self.replica_index, self.replica_size, self.num_embedding_workers, self.world_size,
@@ -312,13 +322,18 @@ class DataCtx(BaseCtx):
         # Both legs at once (one round trip, not two): the NN worker names the ID features by the
         # ref chosen here, and its lookup waits for them on the worker if it comes first.
         started = time.monotonic()
-        id_leg, dense_leg = self.bus.request_retry_all(
-            (subject("ew", legs[0][0], worker), legs[0][1],
-             {"deadline_s": self.send_deadline_s,
-              "what": f"sending ID features of {what} to embedding worker {worker}"}),
-            (subject("nn", legs[1][0], rank), legs[1][1],
-             {"deadline_s": self.send_deadline_s, "what": f"sending {what} to NN rank {rank}"}),
-        )
+
+        async def both_legs() -> list[Any]:
+            return await asyncio.gather(
+                self.bus.arequest_retry(subject("ew", legs[0][0], worker), legs[0][1], deadline_s=self.send_deadline_s,
+                                        what=f"sending ID features of {what} to embedding worker {worker}"),
+                self._arequest_rank(subject("nn", legs[1][0], rank), legs[1][1], rank,
+                                    patience_s=self.trainer_grace_s, deadline_s=self.send_deadline_s,
+                                    what=f"sending {what} to NN rank {rank}",
+                                    unsent=f"{len(group)} batch{'es' if len(group) > 1 else ''} ({what})"),
+                return_exceptions=True)
+
+        id_leg, dense_leg = self.bus.run(both_legs())
         self._metrics.observe("data_loader_send_time_cost_sec", time.monotonic() - started)
         if isinstance(dense_leg, BaseException):
             # not delivered: their ID features wait on the worker for nobody (handed back), and
@@ -348,6 +363,56 @@ class DataCtx(BaseCtx):
         raise PersiaError(f"embedding worker {worker} refused the ID features of "
                           + "; ".join(f"batch {b.batch_id}: {why}" for b, why in lost))
 
+    async def _arequest_rank(self, subj: str, obj: Any, rank: int, *, patience_s: float, deadline_s: float,
+                             what: str, unsent: str, timeout: float = 10.0) -> Any:
+        """``NatsBus.arequest_retry`` to one NN rank's subject, which also raises ``TrainerGone``
+        once the rank is gone (``trainers.rank_gone`` with ``patience_s``), and records each
+        answer as the rank's news. Its own loop, not the bus's: the rule needs every attempt's
+        outcome (only "no responders" proves the request reached nobody), and a request in
+        flight is never cut, so a batch is never delivered while counted as not sent. Runs on
+        the bus loop, which records the answer before it handles any ``nn.done`` received after."""
+        trainers = self._stream.trainers
+        started = time.monotonic()
+        end = started + deadline_s
+        report_at = started + WAITING_FIRST_REPORT_S
+        backoff = 0.002
+        while True:
+            try:
+                reply = await self.bus.arequest(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
+            except BusyError as exc:
+                last: Exception = exc
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError,
+                    nats.errors.ConnectionReconnectingError) as exc:
+                last = exc
+            else:
+                trainers.answered(rank)
+                return reply
+            if trainers.gone(rank, patience_s, nobody_listens=isinstance(last, nats.errors.NoRespondersError)):
+                raise trainers.gone_error(rank, unsent) from last
+            wait = min(backoff, BUSY_MAX_BACKOFF) if isinstance(last, BusyError) else backoff
+            now = time.monotonic()
+            kind = "busy" if isinstance(last, BusyError) else type(last).__name__
+            if now >= report_at and now + wait <= end:
+                log.warning("%s: no successful reply after %.0fs (last: %s); still trying, for up to %.0fs more",
+                            what, now - started, kind, end - now)
+                report_at = now + WAITING_REPORT_S
+            if now + wait > end:
+                raise BusyError(f"{what}: no successful reply within {deadline_s:.0f}s (last: {kind})") from last
+            await asyncio.sleep(wait)
+            backoff = min(0.5, backoff * 2)
+
+    def _request_rank(self, rank: int, message: dict, what: str, *, patience_s: float, deadline_s: float,
+                      timeout: float = 10.0) -> Any:
+        """``_arequest_rank`` to the rank's end-of-stream subject, from a loader thread. Bounded:
+        at exit (``end_of_stream`` from atexit) the bus may be closed already, its loop stopped,
+        and a coroutine handed to it would be waited for for ever."""
+        if self.bus.nc.is_closed:
+            raise nats.errors.ConnectionClosedError
+        return self.bus.run(self._arequest_rank(subject("nn", "eos", rank), message, rank, patience_s=patience_s,
+                                                deadline_s=deadline_s, what=f"{what} to NN rank {rank}",
+                                                unsent=f"the {what}", timeout=timeout),
+                            deadline_s + timeout + 5.0)
+
     def _failed(self, leg: str, batch_id: int, exc: BaseException) -> None:
         reason = f"send_{leg}"
         with self._stream.lock:
@@ -374,30 +439,33 @@ class DataCtx(BaseCtx):
         have as many of the batches after them skipped too (their batch ids are the skipped ones)."""
         return self.resume_position.total if self.resume_position is not None else 0
 
-    def _tell_ranks(self, message_for, what: str, best_effort: bool) -> None:
+    def _tell_ranks(self, message_for: Callable[[int], dict], what: str, best_effort: bool) -> None:
         """Send ``message_for(rank)`` to every NN rank's end-of-stream subject. ``best_effort``
-        (end of stream, failures): a trainer that no longer listens has nothing left to learn."""
+        (end of stream, failures): a trainer that no longer listens has nothing left to learn.
+        Otherwise (an epoch's end: its count) a rank gone after ``nn.done`` (``trainers``) fails
+        it like a send, raised once every other rank has been told."""
+        gone: TrainerGone | None = None
         for rank in range(self.world_size):
-            subj = subject("nn", "eos", rank)
             if not best_effort:
-                self.bus.request_retry(subj, message_for(rank), deadline_s=self.send_deadline_s,
-                                       what=f"{what} to NN rank {rank}")
+                try:
+                    self._request_rank(rank, message_for(rank), what, patience_s=self.trainer_grace_s,
+                                       deadline_s=self.send_deadline_s)
+                except TrainerGone as exc:
+                    log.error("%s", exc)
+                    gone = gone or exc
                 continue
             # Nobody answering may be a trainer between two per-epoch datasets (back in moments)
-            # or one that finished training (it says so on nn.done): wait for either, 30 s at most.
-            end = time.monotonic() + 30.0
-            while rank not in self._stream.trainers_done:
-                try:
-                    self.bus.request(subj, message_for(rank), timeout=2.0)
-                    break
-                except (BusyError, nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-                    if time.monotonic() > end:
-                        log.warning("NN rank %d did not take the %s: %s", rank, what, type(exc).__name__)
-                        break
-                    time.sleep(0.05)
-                except Exception as exc:  # noqa: BLE001 - NATS gone: nobody left to tell
-                    log.warning("NN rank %d did not take the %s: %s", rank, what, exc)
-                    break
+            # or one that finished training (nn.done, and nothing answered for it since): wait
+            # for either, trainer_grace_s at most.
+            try:
+                self._request_rank(rank, message_for(rank), what, patience_s=0.0,
+                                   deadline_s=self.trainer_grace_s, timeout=2.0)
+            except TrainerGone:
+                log.info("NN rank %d finished training (nn.done): not sent the %s", rank, what)
+            except Exception as exc:  # noqa: BLE001 - not taken in time, or NATS gone: nobody left to tell
+                log.warning("NN rank %d did not take the %s: %s", rank, what, exc)
+        if gone is not None:
+            raise gone
 
     def _send_end_of_stream(self) -> None:
         s = self._stream

@@ -16,6 +16,8 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from persia.data_loader.trainers import TrainerNews
+
 log = logging.getLogger(__name__)
 
 
@@ -27,7 +29,7 @@ class LoaderStream:
     sent_total: int = 0  # acknowledged, all epochs
     failed: Counter = field(default_factory=Counter)  # sends that failed, by reason
     ended: bool = False
-    trainers_done: set = field(default_factory=set)  # NN ranks that left training (nn.done)
+    trainers: TrainerNews = field(default_factory=TrainerNews)  # NN ranks that left training (nn.done)
     watching_trainers: bool = False
     # Tells this process's sends from a restarted loader's, which counts batch ids from 0 again:
     # the embedding worker recognises a *retried* send by (loader, session, batch id).
