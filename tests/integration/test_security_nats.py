@@ -21,7 +21,7 @@ from persia import messages as M
 from persia.bus import NatsBus, subject
 from persia.errors import RemoteError
 from persia.nats_server import CONFIG_NAME, NatsServer, private_dir_with_config
-from persia.nn_worker.datasets import StreamingDataset
+from persia.nn_worker.datasets import StreamingDataset, _RankStream
 from persia.security import SIGNATURE_HEADER, NatsAuth, new_secret, sign
 from persia.wire.codec import decode, encode
 
@@ -127,7 +127,7 @@ def job(persia_env, tmp_path, monkeypatch):
         member.request(subject("ps", "register_optimizer", 0), {"type": "SGD", "lr": 0.1})
         ps.lookup({"train": True, "tables": [{"dim": 4, "signs": np.arange(1, 6, dtype=np.uint64)}]})
         ds = StreamingDataset(buffer_size=64)
-        ds._register(member, 0)
+        ds._register(member, _RankStream(), 0)
         # an account of another job on the same NATS: authenticated, but without this job's secret
         outsider = NatsBus(name="other-job", secret=new_secret().encode())
         try:

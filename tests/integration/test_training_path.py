@@ -17,6 +17,7 @@ from persia.data import DataLoader, IterableDataset, StreamingDataset
 from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad
 from persia.errors import DataLoaderFailed, RemoteError
+from persia.nn_worker.datasets import _RankStream
 from tests.polling import poll_until
 
 from .cluster import cluster
@@ -466,7 +467,7 @@ def test_a_batch_that_finds_the_buffer_full_waits_on_the_loop_until_the_consumer
 
     server, client = NatsBus(name="rank"), NatsBus(name="loader")
     ds = StreamingDataset(1, busy_wait_s=30.0)
-    ds._register(server, 0)
+    ds._register(server, _RankStream(), 0)
     replies: list = []
 
     def send(batch_id: int, timeout: float = 60.0) -> threading.Thread:
@@ -552,3 +553,4 @@ def test_a_train_ctx_entered_again_is_refused_at_the_with_naming_what_to_do(pers
                 pass
         with adagrad_ctx(model):  # a new one trains on
             pass
+

@@ -24,6 +24,8 @@ from persia.recent_keys import RecentKeys
 
 log = logging.getLogger(__name__)
 
+VIEW_HANDOVER_S = 30.0  # a closed loop's view has this long to hand the stream to the next loop
+
 
 class _RoomWaiters:
     """Futures of the bus's event loop waiting for room in a buffer, resolved from the consumer's
@@ -90,6 +92,35 @@ class _RankStream:
     # order; what a loader restarted in place skips (TrainCtx._live_position)
     delivered: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # one view of the stream at a time (open_view): a second one subscribed beside it would split
+    # the messages between them, and take the carry before the first had put its queue there
+    view_open: bool = False
+    view_stop: threading.Event | None = None  # the open view's: set once its loop was closed
+    handover: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    def open_view(self, rank: int, stop: threading.Event | None, wait_s: float) -> None:
+        """Become the stream's one view: wait (up to ``wait_s``) for a view whose loop was closed
+        (``break``, an iterator dropped) to put what it holds back for the next; refuse at once
+        while one whose loop is still open (an iterator kept) holds the stream."""
+        end = time.monotonic() + wait_s
+        with self.handover:
+            while self.view_open:
+                if self.view_stop is None or not self.view_stop.is_set():
+                    raise PersiaError(
+                        f"NN rank {rank}: a DataLoader loop over this stream is still open (an iterator kept "
+                        "while a new loop started); a rank's stream is read by one loop at a time: finish that "
+                        "loop, or close it (`break` out of it, or call its iterator's close()), first")
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise PersiaError(f"NN rank {rank}: the DataLoader loop closed before this one still held "
+                                      f"its stream after {wait_s:g}s")
+                self.handover.wait(left)
+            self.view_open, self.view_stop = True, stop
+
+    def close_view(self) -> None:
+        with self.handover:
+            self.view_open, self.view_stop = False, None
+            self.handover.notify_all()
 
     def delivered_by_loader(self) -> dict[int, int]:
         with self.lock:
@@ -160,8 +191,9 @@ class StreamingDataset(IterableDatasetBase):
         self.epoch: int | None = None
         self._state = _RankStream()  # replaced by the session's when iteration starts
 
-    def _register(self, bus, rank: int, owner=None) -> _RankStream:
-        state = self._state = _stream_state(rank, owner)
+    def _register(self, bus, state: _RankStream, rank: int) -> None:
+        self._state = state
+        self._closed = False  # this dataset's earlier view closed it (the same dataset, a new loop)
         self._subs = [
             bus.serve(subject("nn", "batch", rank), self._on_batch_waiting, schema=M.Batch, blocking=False,
                       try_first=self._on_batch_now),
@@ -170,7 +202,6 @@ class StreamingDataset(IterableDatasetBase):
             bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
         ]
         bus.flush()
-        return state
 
     def _close(self, bus, state: _RankStream) -> None:
         """Stop answering (a later StreamingDataset of this process takes over); whatever arrived
@@ -332,10 +363,17 @@ class StreamingDataset(IterableDatasetBase):
         """Messages in arrival order, until the stream (or this epoch) ends, or ``stop`` (an
         Event) is set: a loop closed early, whose unconsumed messages the next view gets.
         ``owner``: the context whose training session this is (the stream's state lives with it)."""
-        state = self._register(bus, rank, owner)
+        state = _stream_state(rank, owner)
+        state.open_view(rank, stop, VIEW_HANDOVER_S)
+        try:
+            self._register(bus, state, rank)
+        except BaseException:
+            state.close_view()
+            raise
         if self.until == "epoch":
             self.epoch = state.next_epoch
         pending, state.carry = state.carry, []
+        ended = False  # this epoch (or the stream) ended: not closed early, not failed
         try:
             while not self._finished(state):
                 if pending:
@@ -361,11 +399,15 @@ class StreamingDataset(IterableDatasetBase):
                 self.received_total += 1
                 ACCOUNT.received_from(int(msg.get("loader", 0)), msg.get("session"))
                 yield msg
+            ended = True
         finally:
             state.carry = pending + state.carry
-            self._close(bus, state)
-        if self.epoch is not None:
-            state.next_epoch = self.epoch + 1
+            try:
+                self._close(bus, state)
+            finally:
+                if ended and self.epoch is not None:  # before the next view may open
+                    state.next_epoch = self.epoch + 1
+                state.close_view()
 
     def _finished(self, state: _RankStream) -> bool:
         if self.epoch is None:
