@@ -17,6 +17,7 @@ from persia.data import DataLoader, IterableDataset, StreamingDataset
 from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad
 from persia.errors import DataLoaderFailed, RemoteError
+from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import _RankStream
 from tests.polling import poll_until
 
@@ -554,3 +555,32 @@ def test_a_train_ctx_entered_again_is_refused_at_the_with_naming_what_to_do(pers
         with adagrad_ctx(model):  # a new one trains on
             pass
 
+
+@pytest.mark.parametrize("skipped", ["forward only", "not touched"])
+def test_batches_a_loop_skips_without_backward_are_released_and_counted(persia_env, skipped, caplog):
+    """A training loop that gives every other batch no backward (a filter, a forward whose loss is
+    not used): each such batch held a staleness permit and its embedding-worker entry for good,
+    so with a bound of 4 the loop stopped after a few batches and failed 10 minutes later with a
+    timeout that blamed the data. Now it is released when the next batch is trained (or at the
+    context's exit) and counted ``no_backward``: every batch accounted for."""
+    n = 16
+    with cluster():
+        errors: list = []
+        sender = send_in_thread([make_batch(i) for i in range(n)], errors)
+        model = Model()
+        seen = 0
+        with adagrad_ctx(model) as ctx:
+            for i, batch in enumerate(DataLoader(StreamingDataset(4), embedding_staleness=4, timeout_ms=30_000)):
+                seen += 1
+                if i % 2 == 0:
+                    if skipped == "forward only":
+                        ctx.forward(batch)
+                    continue
+                train_step(ctx, batch)
+            trained = ctx.trained_batches
+        sender.join(30)
+    assert not errors and seen == n
+    result = ACCOUNT.as_result()
+    assert trained == n // 2 and result["batches_trained"] == n // 2
+    assert result["batches_failed"] == {"no_backward": n // 2}, result
+    assert "got no backward" in caplog.text

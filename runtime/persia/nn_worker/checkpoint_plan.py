@@ -183,7 +183,7 @@ def merge_positions(per_rank: list[Mapping[int, int]]) -> dict[str, dict[str, in
 # What became of a batch the training loop took from the stream, and whether its loader's position
 # (how many of its batches to this rank a resumed loader skips) moves past it.
 CONSUMED = frozenset({"trained", "non_finite_loss", "non_finite_dense_grad", "non_finite_embedding_grad",
-                      "amp_overflow", "lost_id_features", "uneven_tail"})
+                      "amp_overflow", "lost_id_features", "uneven_tail", "no_backward"})
 
 
 def advances_position(outcome: str) -> bool:
@@ -195,7 +195,7 @@ def advances_position(outcome: str) -> bool:
     loader released them, or they never came; that send will never be trained, and an undisturbed
     run does not train it either), and the uneven tail DDP ranks drop at the end of a stream so
     that they stay in step (an undisturbed run drops it too, and the next epoch's batches follow it
-    in its loader's order). Leaving a consumed batch out shifts the prefix: the resumed loader
+    in its loader's order), and a batch the loop skipped without a backward (``no_backward``). Leaving a consumed batch out shifts the prefix: the resumed loader
     skips one batch too few and sends an already-trained one again. Batches received but never
     reached (``abandoned`` when training stops early, an evaluation's) do not count."""
     return outcome in CONSUMED

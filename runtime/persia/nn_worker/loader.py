@@ -445,6 +445,9 @@ class _LoaderIterator:
             raise StopIteration
         if self.streaming and not getattr(self.ctx, "is_training", False):
             ACCOUNT.add("evaluated")  # a streamed batch consumed by eval_ctx / InferCtx
+        handed_out = getattr(self.ctx, "_handed_out", None)
+        if handed_out is not None:  # TrainCtx: a batch that gets no backward is released, counted
+            handed_out(item)
         return item
 
     def _next_item(self):

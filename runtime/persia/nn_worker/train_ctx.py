@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -115,6 +116,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order)
         self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
+        # training batches a DataLoader handed out and no backward consumed yet, in that order
+        self._handed: deque[PersiaTrainingBatch] = deque()
+        self._no_backward = 0
         self._subs: list = []  # this context's NATS answers, unsubscribed at its exit
         self._entered = False
         self._control_group = None
@@ -262,7 +266,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 if touched is not None:
                     embedding_tensors.patch(batch.prepared.slots, i, table["rows"], touched)
 
-    def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
+    def _prepare_with_replay(self, persia_training_batch: PersiaTrainingBatch):
         batch = persia_training_batch
         if batch.replay is not None and batch.requires_grad and self._own is not None:
             if self._corrector is not None:
@@ -309,6 +313,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if batch is None:
             raise PersiaError("backward() without a training batch: call ctx.forward(batch) first")
         self._current_batch = None
+        self._consumed(batch)
         # Backward runs before the loss is checked, so that every finiteness question of the step
         # is answered by one read of the device (on a GPU each read waits for its queue to drain,
         # and one before backward would stop the host from queueing backward behind the forward).
@@ -365,6 +370,55 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if self.trained_batches % max(1, check_every) == 0:
             self.check_dense_finite()
         return scaled
+
+    def _handed_out(self, batch: PersiaTrainingBatch) -> None:
+        """A DataLoader loop yielded ``batch``: a training one must get a backward (or be let go
+        of when a later one is trained: :meth:`_release_skipped`)."""
+        if batch.requires_grad:
+            self._handed.append(batch)
+
+    def _consumed(self, batch: PersiaTrainingBatch) -> None:
+        handed = self._handed
+        if handed and handed[0] is batch:  # the usual order: O(1)
+            handed.popleft()
+        else:
+            for i, b in enumerate(handed):
+                if b is batch:
+                    del handed[i]
+                    break
+
+    def _release_skipped(self, batch: PersiaTrainingBatch | None) -> None:
+        """Training on ``batch`` starts (None: training ends): every training batch handed out
+        before it that got no backward (a loop that skips batches, a forward without backward)
+        is released, its embedding-worker entry and staleness permit freed, and counted
+        ``no_backward``. Before, each held its permit for good: the loop stopped once the bound
+        was used up, and failed 10 minutes later with a timeout that blamed the data."""
+        skipped = []
+        current = self._current_batch
+        if current is not None and current is not batch:
+            self._current_batch = None
+            skipped.append(current)
+        handed = self._handed
+        if batch is None or any(b is batch for b in handed):
+            while handed and handed[0] is not batch:
+                b = handed.popleft()
+                if b is not current:
+                    skipped.append(b)
+        for b in skipped:
+            self._consumed(b)
+            self._send_update(b, [None] * len(b.emb_tables), 1.0)  # frees the entry and the permit
+            self._no_backward += 1
+            ACCOUNT.fail("no_backward")
+            self._advance_position(b.loader, "no_backward")  # consumed by the loop: a resume skips it
+            if self._no_backward == 1 or self._no_backward % 100 == 0:
+                log.warning("a training batch (batch_id %s) got no backward: it is released, counted 'no_backward' "
+                            "(%d so far); every training batch a DataLoader yields needs ctx.backward(loss), or it "
+                            "is skipped this way", b.batch_id, self._no_backward)
+
+    def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
+        if persia_training_batch.requires_grad:
+            self._release_skipped(persia_training_batch)
+        return self._prepare_with_replay(persia_training_batch)
 
     def _skip_step(self, batch: PersiaTrainingBatch, reason: str) -> None:
         """Nothing of this batch is applied; its embedding-worker entry and permit are released."""
@@ -644,6 +698,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         graceful = isinstance(exc, GracefulStop)
         try:
             if exc is None or graceful:
+                self._release_skipped(None)  # the last batches handed out, if no backward took them
                 self._wait_for_updates()
                 self.check_dense_finite()
             if graceful:
