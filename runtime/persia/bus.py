@@ -225,7 +225,13 @@ class NatsBus:
         first_backoff: float = 0.002,
         max_backoff: float = 0.5,
         what: str | None = None,
+        on_answer: Callable[[], None] | None = None,
+        give_up: Callable[[Exception], BaseException | None] | None = None,
     ) -> Any:
+        """``arequest`` until it succeeds, retrying a busy or missing peer with backoff until
+        ``deadline_s``. ``on_answer``: called on the loop as the answer arrives. ``give_up``: shown
+        each failed attempt, it may return an error to raise at once instead of retrying (the
+        data loader's rule for an NN rank that finished training)."""
         started = time.monotonic()
         end = started + deadline_s
         report_at = started + WAITING_FIRST_REPORT_S
@@ -233,7 +239,7 @@ class NatsBus:
         last: Exception | None = None
         while True:
             try:
-                return await self.arequest(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
+                reply = await self.arequest(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
             except BusyError as exc:
                 if not retry_busy:
                     raise
@@ -241,6 +247,13 @@ class NatsBus:
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError,
                     nats.errors.ConnectionReconnectingError) as exc:
                 last = exc  # a peer not there yet, or NATS itself away for a moment: ask again
+            else:
+                if on_answer is not None:
+                    on_answer()
+                return reply
+            stop = give_up(last) if give_up is not None else None
+            if stop is not None:
+                raise stop from last
             # A busy peer has usually already held the request for a while (long poll), so the
             # retry comes soon; a missing peer (not started yet) is polled more slowly.
             wait = min(backoff, BUSY_MAX_BACKOFF) if isinstance(last, BusyError) else backoff

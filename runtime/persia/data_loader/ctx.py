@@ -13,7 +13,7 @@ from typing import Any, Callable
 import nats.errors
 
 from persia import env
-from persia.bus import BUSY_MAX_BACKOFF, WAITING_FIRST_REPORT_S, WAITING_REPORT_S, NatsBus, shared_bus, subject
+from persia.bus import NatsBus, shared_bus, subject
 from persia.config import UnknownSlotError
 from persia.context import BaseCtx
 from persia.data_loader.batch import PersiaBatch
@@ -24,7 +24,7 @@ from persia.data_loader.trainers import TRAINER_GRACE_S, TrainerGone
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
 from persia import messages as M
-from persia.errors import BusyError, PersiaError
+from persia.errors import PersiaError
 from persia.metrics import Metrics, start_exporter
 
 log = logging.getLogger(__name__)
@@ -366,40 +366,18 @@ class DataCtx(BaseCtx):
     async def _arequest_rank(self, subj: str, obj: Any, rank: int, *, patience_s: float, deadline_s: float,
                              what: str, unsent: str, timeout: float = 10.0) -> Any:
         """``NatsBus.arequest_retry`` to one NN rank's subject, which also raises ``TrainerGone``
-        once the rank is gone (``trainers.rank_gone`` with ``patience_s``), and records each
-        answer as the rank's news. Its own loop, not the bus's: the rule needs every attempt's
-        outcome (only "no responders" proves the request reached nobody), and a request in
-        flight is never cut, so a batch is never delivered while counted as not sent. Runs on
+        once the rank is gone (``trainers.rank_gone`` with ``patience_s``: only "no responders"
+        proves the request reached nobody), and records each answer as the rank's news. A request
+        in flight is never cut, so a batch is never delivered while counted as not sent. Runs on
         the bus loop, which records the answer before it handles any ``nn.done`` received after."""
         trainers = self._stream.trainers
-        started = time.monotonic()
-        end = started + deadline_s
-        report_at = started + WAITING_FIRST_REPORT_S
-        backoff = 0.002
-        while True:
-            try:
-                reply = await self.bus.arequest(subj, obj, timeout=min(timeout, max(0.05, end - time.monotonic())))
-            except BusyError as exc:
-                last: Exception = exc
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError, asyncio.TimeoutError,
-                    nats.errors.ConnectionReconnectingError) as exc:
-                last = exc
-            else:
-                trainers.answered(rank)
-                return reply
-            if trainers.gone(rank, patience_s, nobody_listens=isinstance(last, nats.errors.NoRespondersError)):
-                raise trainers.gone_error(rank, unsent) from last
-            wait = min(backoff, BUSY_MAX_BACKOFF) if isinstance(last, BusyError) else backoff
-            now = time.monotonic()
-            kind = "busy" if isinstance(last, BusyError) else type(last).__name__
-            if now >= report_at and now + wait <= end:
-                log.warning("%s: no successful reply after %.0fs (last: %s); still trying, for up to %.0fs more",
-                            what, now - started, kind, end - now)
-                report_at = now + WAITING_REPORT_S
-            if now + wait > end:
-                raise BusyError(f"{what}: no successful reply within {deadline_s:.0f}s (last: {kind})") from last
-            await asyncio.sleep(wait)
-            backoff = min(0.5, backoff * 2)
+
+        def give_up(last: Exception) -> TrainerGone | None:
+            nobody = isinstance(last, nats.errors.NoRespondersError)
+            return trainers.gone_error(rank, unsent) if trainers.gone(rank, patience_s, nobody_listens=nobody) else None
+
+        return await self.bus.arequest_retry(subj, obj, deadline_s=deadline_s, timeout=timeout, what=what,
+                                             on_answer=lambda: trainers.answered(rank), give_up=give_up)
 
     def _request_rank(self, rank: int, message: dict, what: str, *, patience_s: float, deadline_s: float,
                       timeout: float = 10.0) -> Any:
