@@ -173,3 +173,26 @@ def test_an_epoch_end_to_a_rank_that_left_fails_instead_of_waiting_the_send_dead
         assert "the end of epoch 0 not sent" in str(errors[0])
         assert timing["raised"] - timing["closing"] < 20.0
         assert loader_stream.current().sent_total == 4
+
+
+def test_only_a_context_that_ends_without_a_failure_says_nn_done(persia_env) -> None:
+    """A rank whose TrainCtx failed may be restarted in place and resume: its data loaders must
+    wait for it (their send deadline), so it says nothing; one that finished says ``nn.done``."""
+    from persia.bus import NatsBus, subject
+
+    heard: list[dict] = []
+    listener = NatsBus(name="done-listener")
+    try:
+        listener.serve(subject("nn", "done"), lambda msg: heard.append(msg) or None, blocking=False)
+        listener.flush()
+        with cluster():
+            with pytest.raises(ValueError, match="a failing step"):
+                with adagrad_ctx(Model()):
+                    raise ValueError("a failing step")
+            with adagrad_ctx(Model()):
+                pass
+            # one connection publishes both in order: once the second arrived, the first would have
+            poll_until(lambda: heard, "the clean exit's nn.done")
+        assert heard == [{"rank": 0}]
+    finally:
+        listener.close()
