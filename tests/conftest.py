@@ -31,7 +31,7 @@ def persia_env(nats_server, monkeypatch):
     its credentials and a job secret of its own (so signed controls are exercised everywhere)."""
     from persia.bus import close_shared_bus
     from persia.data_loader import stream as loader_stream
-    from persia.nn_worker import accounting
+    from persia.nn_worker import accounting, datasets
     from persia.security import new_secret
 
     job = f"t{os.getpid()}x{next(_job_counter)}"
@@ -45,6 +45,7 @@ def persia_env(nats_server, monkeypatch):
     close_shared_bus()
     loader_stream.reset()  # each test plays a fresh data-loader process
     accounting.reset()
+    datasets.reset_streams()  # ... and a fresh NN-worker process
     yield job
     close_shared_bus()
 

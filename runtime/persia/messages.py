@@ -147,7 +147,8 @@ class EndOfStream(_Msg):
 
 
 class TrainerDone(_Msg):
-    """``nn.done`` events: an NN rank left its TrainCtx (loaders stop waiting to tell it things)."""
+    """``nn.done`` events: an NN rank's outermost streaming context (a TrainCtx, an eval_ctx) ended
+    without a failure (loaders stop waiting to tell it things; it may come back)."""
 
     rank: Index
 

@@ -239,7 +239,9 @@ def test_a_resume_with_another_number_of_data_loaders_fails_before_anything_is_t
 
     def loader():
         try:
-            with DataCtx(send_deadline_s=3) as ctx:
+            # a failed trainer says no nn.done (it may be restarted in place): the loader's end of
+            # stream waits trainer_grace_s for it, as its sends wait send_deadline_s
+            with DataCtx(send_deadline_s=3, trainer_grace_s=3) as ctx:
                 # more than the NN rank can hold before it stops (batches travel two to a message):
                 # the loader's sends then find nobody and it fails, whatever the timing
                 for i in range(40):

@@ -153,13 +153,35 @@ class _RankStream:
         return all(self.received[(l, epoch)] >= self.sent[(l, epoch)] for l in loaders)
 
 
+_process_streams: dict[int, _RankStream] = {}  # per rank: the stream this process reads
+_process_streams_lock = threading.Lock()
+
+
 def _stream_state(rank: int, owner) -> _RankStream:
-    """The rank's stream state, kept by ``owner``, the outermost NN-worker context: one training
-    session (a TrainCtx and the eval_ctx/DataLoaders inside it) sees one stream."""
-    streams = owner.__dict__.setdefault("_rank_streams", {}) if owner is not None else {}
+    """The rank's stream state, kept by ``owner``, the outermost NN-worker context (a TrainCtx and
+    the eval_ctx/DataLoaders inside it), and passed on to the next one of the process: an eval_ctx
+    after the TrainCtx, a TrainCtx per epoch, go on with the stream where the last one left it
+    (its epoch, the batches it held for later, its counts). Before, each started afresh: the
+    batches the last one held were lost and its loop waited for loaders that had connected long
+    ago. A context that resumed from a checkpoint starts afresh (the loaders start over from
+    the checkpoint's positions), and so does one after a stream that ended."""
+    if owner is None:
+        return _RankStream()
+    streams = owner.__dict__.setdefault("_rank_streams", {})
     if rank not in streams:
-        streams[rank] = _RankStream(resume=getattr(owner, "_resume_info", None))
+        resume = getattr(owner, "_resume_info", None)
+        with _process_streams_lock:
+            state = _process_streams.get(rank)
+            if state is None or resume is not None or state.stream_done():
+                state = _process_streams[rank] = _RankStream(resume=resume)
+        streams[rank] = state
     return streams[rank]
+
+
+def reset_streams() -> None:
+    """Forget the process's streams (tests play a fresh NN-worker process each)."""
+    with _process_streams_lock:
+        _process_streams.clear()
 
 
 class StreamingDataset(IterableDatasetBase):

@@ -143,10 +143,30 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         try:
             self._finish_background(exc)
         finally:
+            streamed = self._nn_info_sub is not None
             if self._nn_info_sub is not None:
                 self.bus.unsubscribe(self._nn_info_sub)
                 self._nn_info_sub = None
             self._close_discovered()
+            if streamed and self._leaves_for_good(exc) and self._outermost():
+                self._say_done()
+
+    def _leaves_for_good(self, exc: BaseException | None) -> bool:
+        """Whether this context's end is one its data loaders may stop waiting for: not after a
+        failure (the rank may be restarted in place and resume; its loaders wait for it)."""
+        return exc is None
+
+    def _outermost(self) -> bool:
+        return not any(isinstance(c, EmbeddingCtx) and c is not self for c in ctx_stack())
+
+    def _say_done(self) -> None:
+        """``nn.done``: data loaders still holding an end of stream for this rank need not wait
+        for an answer, and a send to it fails after their ``trainer_grace_s`` if no later context
+        of the process answers (``persia.data_loader.trainers``)."""
+        try:
+            self.bus.publish(subject("nn", "done"), {"rank": self.rank})
+        except Exception:  # noqa: BLE001 - best effort: they give up after 30 s otherwise
+            pass
 
     def _close_discovered(self) -> None:
         """Close the embedding-worker channels this context discovered (one TCP connection and

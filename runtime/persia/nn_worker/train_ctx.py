@@ -130,6 +130,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._last_progress = 0.0
         self._progress = TrainingProgress(self.rank)
 
+    def _leaves_for_good(self, exc: BaseException | None) -> bool:
+        return exc is None or isinstance(exc, GracefulStop)  # SIGTERM: the job is being stopped
+
     def _entry_spans(self) -> list:
         # while it trains on the CPU, a large model's weight gradients come from the heap instead of
         # being mapped and faulted in every step (persia.allocator.LargeBuffers)
@@ -710,15 +713,6 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             if self._corrector is not None:
                 self._corrector.stop()
             log_summary(self.rank, complete=exc is None)
-            # data loaders still holding an end of stream for us need not wait for an answer, and
-            # a send to this rank fails after their trainer_grace_s if no later context answers.
-            # Not after a failure: the rank may be restarted in place and resume, and the loaders
-            # must wait for it (their send_deadline_s), not give up on it.
-            if exc is None or graceful:
-                try:
-                    self.bus.publish(subject("nn", "done"), {"rank": self.rank})
-                except Exception:  # noqa: BLE001 - best effort: they give up after 30 s otherwise
-                    pass
             self._outbox.close()  # what no lookup carried goes on its own, before the pool stops
             log.info("embedding updates: %d carried on lookups, %d sent alone",
                      self._outbox.carried, self._outbox.sent_alone)

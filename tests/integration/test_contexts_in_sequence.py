@@ -1,0 +1,110 @@
+"""Contexts one after another in one NN-worker process, over one data-loader stream: the stream
+goes on where the last context left it (its epoch, the batches held for later, its counts). Real
+nats-server, real gRPC PS and embedding worker on loopback, a real DataCtx in a thread, real
+TrainCtx and eval_ctx with torch. Before, each context started the stream afresh: the batches the
+last one held were lost and the next loop waited for loaders that had connected long before."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from persia.ctx import DataCtx, TrainCtx, eval_ctx
+from persia.data import DataLoader, StreamingDataset
+from persia.data_loader import stream as loader_stream
+from persia.data_loader.stream import end_of_stream
+from persia.embedding.optim import Adagrad
+from persia.nn_worker.accounting import ACCOUNT
+
+from .cluster import cluster
+from .test_training_path import Model, make_batch, train_step
+
+pytestmark = pytest.mark.integration
+
+PER_EPOCH = 8
+
+
+def start_loader(epochs: int, train_epochs: int) -> threading.Thread:
+    """A data loader in a thread: ``epochs`` DataCtx of PER_EPOCH batches, the first
+    ``train_epochs`` of them for training, the rest for evaluation; then the stream's end."""
+    loader_stream.reset()
+
+    def run():
+        for e in range(epochs):
+            with DataCtx() as ctx:
+                for i in range(PER_EPOCH):
+                    ctx.send_data(make_batch(100 * e + i, requires_grad=e < train_epochs))
+        end_of_stream()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def train_ctx(model: Model) -> TrainCtx:
+    return TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                    dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def one_epoch(ctx) -> int:
+    n = 0
+    for batch in DataLoader(StreamingDataset(4, until="epoch"), embedding_staleness=2, timeout_ms=30_000):
+        if ctx.is_training:
+            train_step(ctx, batch)
+        else:
+            with torch.no_grad():
+                ctx.forward(batch)
+        n += 1
+    return n
+
+
+def test_an_eval_ctx_after_the_train_ctx_evaluates_the_next_epoch(persia_env):
+    with cluster():
+        t = start_loader(epochs=2, train_epochs=1)
+        model = Model()
+        with train_ctx(model) as ctx:
+            trained = one_epoch(ctx)
+        with eval_ctx(model=model) as ctx:
+            evaluated = one_epoch(ctx)
+        t.join(60)
+        assert not t.is_alive()
+    result = ACCOUNT.as_result()
+    assert (trained, evaluated) == (PER_EPOCH, PER_EPOCH)
+    assert (result["batches_trained"], result["batches_evaluated"]) == (PER_EPOCH, PER_EPOCH), result
+
+
+def test_a_train_ctx_per_epoch_trains_every_epoch(persia_env):
+    with cluster():
+        t = start_loader(epochs=3, train_epochs=3)
+        model = Model()
+        per_ctx = []
+        for _epoch in range(3):
+            with train_ctx(model) as ctx:
+                per_ctx.append(one_epoch(ctx))
+        t.join(60)
+        assert not t.is_alive()
+    assert per_ctx == [PER_EPOCH] * 3 and ACCOUNT.as_result()["batches_trained"] == 3 * PER_EPOCH
+
+
+def test_a_train_ctx_left_early_and_the_next_one_account_for_every_batch(persia_env):
+    with cluster():
+        t = start_loader(epochs=1, train_epochs=1)
+        model = Model()
+        first = rest = 0
+        with train_ctx(model) as ctx:
+            for batch in DataLoader(StreamingDataset(4), embedding_staleness=2, timeout_ms=30_000):
+                train_step(ctx, batch)
+                first += 1
+                if first == 3:
+                    break
+        with train_ctx(model) as ctx:
+            for batch in DataLoader(StreamingDataset(4), embedding_staleness=2, timeout_ms=30_000):
+                train_step(ctx, batch)
+                rest += 1
+        t.join(60)
+        assert not t.is_alive()
+    result = ACCOUNT.as_result()
+    assert first == 3 and result["batches_trained"] == first + rest
+    assert first + rest + result["batches_failed"].get("abandoned", 0) == PER_EPOCH, result
