@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Callable
 
 import pytest
 import torch
@@ -29,6 +30,24 @@ pytestmark = pytest.mark.integration
 def adagrad_ctx(model: Model) -> TrainCtx:
     return TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
                     dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def loader_thread(body: Callable[[DataCtx], None], errors: list, **ctx_kwargs) -> threading.Thread:
+    """A data loader in a thread, started: ``body`` in one DataCtx, then the end of its stream;
+    what it raises goes to ``errors``."""
+    loader_stream.reset()
+
+    def run() -> None:
+        try:
+            with DataCtx(**ctx_kwargs) as dctx:
+                body(dctx)
+            end_of_stream()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 def told_done(rank: int) -> bool:
@@ -59,26 +78,19 @@ def test_a_rank_back_after_nn_done_trains_the_whole_stream_and_gets_its_end(pers
     Before: the loader kept rank 0 as done for good and skipped its final end of stream, so #2's
     loop waited for it until its timeout (``data loaders [0] have not ended their stream``)."""
     with cluster():
-        loader_stream.reset()
         connected, go, errors = threading.Event(), threading.Event(), []
         holder: dict = {}
 
-        def run() -> None:
-            try:
-                with DataCtx() as dctx:
-                    holder["ctx"] = dctx
-                    connected.set()
-                    go.wait(30)
-                    for i in range(10):
-                        dctx.send_data(make_batch(i))
-                end_of_stream()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+        def send(dctx: DataCtx) -> None:
+            holder["ctx"] = dctx
+            connected.set()
+            go.wait(30)
+            for i in range(10):
+                dctx.send_data(make_batch(i))
 
-        loader = threading.Thread(target=run, daemon=True)
         model = Model()
         with adagrad_ctx(model):  # e.g. a context that only loads a checkpoint
-            loader.start()
+            loader = loader_thread(send, errors)
             assert connected.wait(30), errors
         poll_until(lambda: told_done(0), "the loader hearing rank 0's nn.done")
         with adagrad_ctx(model) as ctx:
@@ -102,22 +114,15 @@ def test_a_loader_whose_trainer_left_fails_at_once_naming_the_rank(persia_env) -
     retried each send for ``send_deadline_s`` (600 s), though rank 0 had said nn.done. Now the
     send fails one grace after the nn.done, and every batch stays accounted for."""
     with cluster():
-        loader_stream.reset()
         errors: list = []
         given = [0]
 
-        def run() -> None:
-            try:
-                with DataCtx(send_deadline_s=120.0, trainer_grace_s=1.0) as dctx:
-                    for i in range(100):
-                        given[0] += 1
-                        dctx.send_data(make_batch(i))
-                end_of_stream()
-            except BaseException as exc:  # noqa: BLE001
-                errors.append(exc)
+        def send(dctx: DataCtx) -> None:
+            for i in range(100):
+                given[0] += 1
+                dctx.send_data(make_batch(i))
 
-        loader = threading.Thread(target=run, daemon=True)
-        loader.start()
+        loader = loader_thread(send, errors, send_deadline_s=120.0, trainer_grace_s=1.0)
         with adagrad_ctx(Model()) as ctx:
             for step, batch in enumerate(DataLoader(StreamingDataset(4))):
                 train_step(ctx, batch)

@@ -291,35 +291,36 @@ class IncrementalDumper:
         retention 0. Only those older than ``INCOMPLETE_GRACE_S`` by their names: a replica's
         previous process is gone by then, and no packet takes that long to write. At the start
         and after each packet (a process restarted within the grace finds it later)."""
-        removed = 0
-        if not self.directory.is_dir():
-            return 0
-        for packet in sorted(self.directory.glob("inc_*")):
-            created = packet_time(packet.name)
-            if not abandoned_packet(created, (packet / INC_DONE_MARKER).exists(), now_unix):
-                continue
-            try:
-                shutil.rmtree(packet)
-            except OSError as exc:
-                log.warning("incomplete incremental packet %s not removed: %s", packet, exc)
-                continue
-            removed += 1
+        removed = self._remove_packets(
+            lambda packet, created: abandoned_packet(created, (packet / INC_DONE_MARKER).exists(), now_unix),
+            "incomplete incremental packet %s not removed: %s")
+        for packet in removed:
             log.warning("removed incomplete incremental packet %s (its writer was killed while writing it)", packet)
-        return removed
+        return len(removed)
 
     def _delete_older_than(self, cutoff_unix: float) -> None:
         """Remove this replica's packets created before ``cutoff_unix`` (by their names: no
         manifest is read). A failure is logged; the next packet's round tries again."""
+        self.packets_deleted += len(self._remove_packets(
+            lambda _packet, created: created is not None and created < cutoff_unix,
+            "incremental packet %s not deleted after its retention: %s"))
+
+    def _remove_packets(self, doomed, failure: str) -> list[Path]:
+        """Remove this replica's packet directories for which ``doomed(path, created)`` holds
+        (``created``: the time in its name); the ones removed. A failure is logged (``failure``)."""
+        if not self.directory.is_dir():
+            return []
+        removed = []
         for packet in sorted(self.directory.glob("inc_*")):
-            created = packet_time(packet.name)
-            if created is None or created >= cutoff_unix:
+            if not doomed(packet, packet_time(packet.name)):
                 continue
             try:
                 shutil.rmtree(packet)
             except OSError as exc:
-                log.warning("incremental packet %s not deleted after its retention: %s", packet, exc)
+                log.warning(failure, packet, exc)
                 continue
-            self.packets_deleted += 1
+            removed.append(packet)
+        return removed
 
 
 def abandoned_packet(created_unix: float | None, complete: bool, now_unix: float,
