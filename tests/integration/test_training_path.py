@@ -584,3 +584,31 @@ def test_batches_a_loop_skips_without_backward_are_released_and_counted(persia_e
     assert trained == n // 2 and result["batches_trained"] == n // 2
     assert result["batches_failed"] == {"no_backward": n // 2}, result
     assert "got no backward" in caplog.text
+
+
+def _batch_without_tags(seed: int) -> PersiaBatch:
+    """``make_batch`` with no sample having a ``tags`` ID (the only slot of dim 3)."""
+    batch = make_batch(seed)
+    rng = np.random.default_rng(seed)
+    users = rng.integers(0, 50, size=BS, dtype=np.uint64)
+    items = [rng.integers(1000, 1100, size=2, dtype=np.uint64) for _ in range(BS)]
+    return PersiaBatch([IDTypeFeatureWithSingleID("user", users), IDTypeFeature("item", items),
+                        IDTypeFeature("tags", [np.zeros(0, np.uint64)] * BS)],
+                       non_id_type_features=batch.non_id_type_features, labels=batch.labels)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
+def test_a_batch_where_a_slot_has_no_ids_at_all_trains_with_replay(persia_env, optimizer):
+    """A rare multi-hot feature absent from a whole batch, the only slot of its dim, with a stateful
+    optimizer and own-update replay (the defaults): the replay refused the empty table's state
+    (``expected shape (0, 3) for AdagradConfig, got (0, 0)``) and training stopped."""
+    with cluster():
+        errors: list = []
+        batches = [_batch_without_tags(i) if i == 3 else make_batch(i) for i in range(8)]
+        sender = send_in_thread(batches, errors)
+        model = Model()
+        with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1) if optimizer == "adagrad" else SGD(lr=0.1),
+                      dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            trained = train_stream(ctx, staleness=4)
+        sender.join(30)
+    assert not errors and trained == 8
