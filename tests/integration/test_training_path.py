@@ -16,7 +16,7 @@ from persia.data_loader.stream import end_of_stream
 from persia.data import DataLoader, IterableDataset, StreamingDataset
 from persia.embedding.data import IDTypeFeature, IDTypeFeatureWithSingleID, Label, NonIDTypeFeature, PersiaBatch
 from persia.embedding.optim import SGD, Adagrad
-from persia.errors import DataLoaderFailed, RemoteError
+from persia.errors import DataLoaderFailed, PersiaError, RemoteError
 from persia.nn_worker.accounting import ACCOUNT
 from persia.nn_worker.datasets import _RankStream
 from tests.polling import poll_until
@@ -612,3 +612,29 @@ def test_a_batch_where_a_slot_has_no_ids_at_all_trains_with_replay(persia_env, o
             trained = train_stream(ctx, staleness=4)
         sender.join(30)
     assert not errors and trained == 8
+
+
+def test_batches_sent_without_grad_in_a_training_stream_are_evaluated_and_counted(persia_env):
+    """A data loader marking some batches ``requires_grad=False`` in a training stream (the
+    defaults: own-update replay on). Before: the lookup asked for a replay its untrained lookup
+    could not answer and the loop died (``KeyError: 'replay'``); with staleness 1, a backward on
+    such a batch said "without a training batch" and the batch was counted nowhere."""
+    with cluster():
+        errors: list = []
+        sender = send_in_thread([make_batch(i, requires_grad=i % 3 != 1) for i in range(9)], errors)
+        model = Model()
+        refused = []
+        with adagrad_ctx(model) as ctx:
+            for batch in DataLoader(StreamingDataset(4), embedding_staleness=4, timeout_ms=30_000):
+                if batch.requires_grad:
+                    train_step(ctx, batch)
+                    continue
+                out, labels = ctx.forward(batch)
+                with pytest.raises(PersiaError, match=f"batch_id {batch.batch_id}.*requires_grad=False"):
+                    ctx.backward(torch.nn.functional.binary_cross_entropy(out, labels[0]))
+                refused.append(batch.batch_id)
+            trained = ctx.trained_batches
+        sender.join(30)
+    assert not errors and trained == 6 and len(refused) == 3
+    result = ACCOUNT.as_result()
+    assert (result["batches_trained"], result["batches_evaluated"], result["batches_failed"]) == (6, 3, {}), result

@@ -443,8 +443,8 @@ class _LoaderIterator:
         if item is _END:
             self._finish()
             raise StopIteration
-        if self.streaming and not getattr(self.ctx, "is_training", False):
-            ACCOUNT.add("evaluated")  # a streamed batch consumed by eval_ctx / InferCtx
+        if self.streaming and not (getattr(self.ctx, "is_training", False) and item.requires_grad):
+            ACCOUNT.add("evaluated")  # a streamed batch consumed by eval_ctx / InferCtx, or not for training
         handed_out = getattr(self.ctx, "_handed_out", None)
         if handed_out is not None:  # TrainCtx: a batch that gets no backward is released, counted
             handed_out(item)

@@ -118,6 +118,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._current_batch: PersiaTrainingBatch | None = None
         # training batches a DataLoader handed out and no backward consumed yet, in that order
         self._handed: deque[PersiaTrainingBatch] = deque()
+        self._forwarded_no_grad: PersiaTrainingBatch | None = None  # the last forward's, if requires_grad=False
         self._no_backward = 0
         self._subs: list = []  # this context's NATS answers, unsubscribed at its exit
         self._entered = False
@@ -230,8 +231,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         """Note below which seq every update of ours is applied as this lookup is dispatched
         (synchronous training, staleness 1, never misses one: nothing to note)."""
         own = self._own
-        if own is None or staleness_target == 1:
-            return msg
+        if own is None or staleness_target == 1 or not msg.get("requires_grad", True):
+            return msg  # a batch sent with requires_grad=False is looked up without training: no replay
         return {**msg, "replay": own.query(own.since())}
 
     def _default_warmup_steps(self) -> int:
@@ -314,6 +315,12 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._raise_update_error()
         batch = self._current_batch
         if batch is None:
+            no_grad = self._forwarded_no_grad
+            if no_grad is not None:
+                raise PersiaError(
+                    f"backward(): the batch of the last forward (batch_id {no_grad.batch_id}) was sent with "
+                    "requires_grad=False: it takes no gradient; evaluate it (under torch.no_grad()) and call "
+                    "backward() for training batches only (batch.requires_grad)")
             raise PersiaError("backward() without a training batch: call ctx.forward(batch) first")
         self._current_batch = None
         self._consumed(batch)
@@ -421,6 +428,9 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
         if persia_training_batch.requires_grad:
             self._release_skipped(persia_training_batch)
+            self._forwarded_no_grad = None
+        else:  # backward() on it says why it cannot, instead of "without a training batch"
+            self._forwarded_no_grad = persia_training_batch
         return self._prepare_with_replay(persia_training_batch)
 
     def _skip_step(self, batch: PersiaTrainingBatch, reason: str) -> None:
@@ -741,7 +751,7 @@ def _lookup_request(msg: dict) -> dict:
 def _with_replay(resp: dict, replay: dict | None) -> dict:
     """A lookup reply made ready for own-update replay: the source and since it answers about, and
     each table's signs (what the PS applies of this batch's update names rows by sign)."""
-    if replay is not None:
+    if replay is not None and "replay" in resp:
         resp["replay"].update(replay)
         for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
             table["signs"] = extra["signs"]
