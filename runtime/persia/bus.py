@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import ssl
@@ -49,7 +50,18 @@ def nats_url() -> str:
 
 
 def job_name() -> str:
-    return os.environ.get("PERSIA_JOB_NAME", "persia")
+    return checked_job_name(os.environ.get("PERSIA_JOB_NAME", "persia"))
+
+
+@functools.lru_cache(maxsize=16)
+def checked_job_name(name: str, what: str = "environment variable PERSIA_JOB_NAME") -> str:
+    """``name`` if it can be one token of a NATS subject (``persia.<job>.<service>...``); else a
+    ValueError naming ``what`` and the value. A space, ``.``, ``*`` or ``>`` in it failed every role
+    at its first subject with ``nats: invalid subject``, after the job's restarts."""
+    if not name or any(c.isspace() or c in ".*>" for c in name):
+        raise ValueError(f"{what} must be a non-empty name without spaces, '.', '*' or '>' (it is a NATS "
+                         f"subject token), got {name!r}")
+    return name
 
 
 def subject(service: str, method: str, replica: int | None = None, job: str | None = None) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 from persia.context import torch_threads_setting
 from persia.env import MAX_GRACE_S, env_flag, grace_period_s, number_in_range
 from persia.errors import PersiaValidationError
+from persia.metrics import metrics_port
 from persia.nn_worker.cpu_placement import ENV as TRAINING_CPUS_ENV, format_cpus
 from persia.procs import spawn, stop_in_order
 from persia.supervisor import Action, decide, describe_exit
@@ -52,7 +53,7 @@ def add_local_parser(sub) -> None:
     p.add_argument("--num-embedding-workers", "--embedding-workers", dest="num_embedding_workers", type=int, default=1)
     p.add_argument("--nproc-per-node", "--num-nn-workers", dest="nproc_per_node", type=int, default=1)
     p.add_argument("--num-data-loaders", "--data-loaders", dest="num_data_loaders", type=int, default=1)
-    p.add_argument("--job-name", default="local")
+    p.add_argument("--job-name", default="local", type=_job_name_arg)
     p.add_argument("--colocate-ps", action="store_true",
                    help="run PS replica i inside embedding worker i's process and call it without gRPC "
                         "(needs --num-ps == --num-embedding-workers; docs/benchmarks.md, item 3)")
@@ -84,6 +85,15 @@ def _grace_period_arg(text: str) -> float:
     if value is None:
         raise argparse.ArgumentTypeError(f"must be a number of seconds from 0 to {MAX_GRACE_S:g}, got {text!r}")
     return value
+
+
+def _job_name_arg(text: str) -> str:
+    from persia.bus import checked_job_name
+
+    try:
+        return checked_job_name(text, "--job-name")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _nn_threads_arg(text: str) -> int | str:
@@ -452,6 +462,7 @@ def run_local(args) -> int:
         split, placement = cpu_split(allowed, args.nproc_per_node, args.cpu_placement)
         roles = plan(args, base_env=dict(os.environ), split=split)
         check_configs(args)
+        metrics_port(os.environ)  # a bad PERSIA_METRICS_PORT fails here, not in every role, restart after restart
     except (ValueError, FileNotFoundError) as exc:
         print(f"persia-launcher local: {exc}", file=sys.stderr)
         return 2

@@ -65,14 +65,22 @@ def configure_from(metrics_config: MetricsConfig, env: MutableMapping[str, str] 
 def metrics_port(env=None) -> int | None:
     """This process's metrics port: ``PERSIA_METRICS_PORT`` + ``PERSIA_METRICS_PORT_OFFSET`` (the
     local launcher gives each role its own) + ``LOCAL_RANK``; 0 lets the OS choose. None: off."""
+    from persia.env import int_in_range
+
     env = os.environ if env is None else env
     raw = env.get("PERSIA_METRICS_PORT")
     if not raw:
         return None
-    base = int(raw)
+    base = int_in_range("PERSIA_METRICS_PORT", raw, 0, 65535)
     if base == 0:
         return 0
-    return base + int(env.get("PERSIA_METRICS_PORT_OFFSET", "0") or 0) + int(env.get("LOCAL_RANK", "0") or 0)
+    offset = int_in_range("PERSIA_METRICS_PORT_OFFSET", env.get("PERSIA_METRICS_PORT_OFFSET") or "0", 0, 65535)
+    local_rank = int_in_range("LOCAL_RANK", env.get("LOCAL_RANK") or "0", 0, 65535)
+    port = base + offset + local_rank
+    if port > 65535:
+        raise ValueError(f"metrics port PERSIA_METRICS_PORT {base} + PERSIA_METRICS_PORT_OFFSET {offset} + LOCAL_RANK "
+                         f"{local_rank} = {port} is over 65535")
+    return port
 
 
 def start_exporter(port: int | None = None) -> int | None:

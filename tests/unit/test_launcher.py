@@ -99,6 +99,45 @@ def test_a_bad_grace_period_flag_is_refused_naming_the_flag_and_the_value(raw, c
     assert f"argument --grace-period: must be a number of seconds from 0 to 86400, got '{raw}'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["adult income", "a.b", "jobs>", "*", ""])
+def test_a_job_name_that_cannot_be_a_nats_subject_token_is_refused_naming_it(name, capsys, monkeypatch):
+    """It failed every role at its first NATS subject (``nats: invalid subject``), after the
+    job's restarts; the flag and the variable are refused at once, named with the value."""
+    from persia.bus import job_name
+    from persia.launcher import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["local", *_LOCAL_REQUIRED, "--job-name", name])
+    assert "argument --job-name: --job-name must be a non-empty name without spaces" in capsys.readouterr().err
+    monkeypatch.setenv("PERSIA_JOB_NAME", name)
+    with pytest.raises(ValueError, match=f"PERSIA_JOB_NAME must be .* got {name!r}"):
+        job_name()
+    monkeypatch.setenv("PERSIA_JOB_NAME", "ctr-8x8_v2")
+    assert job_name() == "ctr-8x8_v2"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"PERSIA_METRICS_PORT": "abc"}, "PERSIA_METRICS_PORT must be an integer from 0 to 65535, got 'abc'"),
+    ({"PERSIA_METRICS_PORT": "70000"}, "PERSIA_METRICS_PORT must be an integer from 0 to 65535, got '70000'"),
+    ({"PERSIA_METRICS_PORT": "9090", "PERSIA_METRICS_PORT_OFFSET": "x"}, "PERSIA_METRICS_PORT_OFFSET must be"),
+    ({"PERSIA_METRICS_PORT": "65535", "LOCAL_RANK": "1"}, "= 65536 is over 65535"),
+])
+def test_a_bad_metrics_port_is_refused_by_the_launcher_before_any_role_starts(env, message, capsys, monkeypatch):
+    """It failed every role at its start with int()'s "invalid literal", the job restarted three
+    times and failed naming a server, not the variable."""
+    from persia.launcher import build_parser
+    from persia.local import run_local
+
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "adult-income")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    args = build_parser().parse_args([
+        "local", "--nn-worker", os.path.join(example, "train.py"), "--data-loader", os.path.join(example, "data_loader.py"),
+        "--embedding-config", os.path.join(example, "config", "embedding_config.yml")])
+    assert run_local(args) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_the_grace_period_flag_takes_seconds():
     from persia.launcher import build_parser
 
