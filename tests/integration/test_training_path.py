@@ -638,3 +638,31 @@ def test_batches_sent_without_grad_in_a_training_stream_are_evaluated_and_counte
     assert not errors and trained == 6 and len(refused) == 3
     result = ACCOUNT.as_result()
     assert (result["batches_trained"], result["batches_evaluated"], result["batches_failed"]) == (6, 3, {}), result
+
+
+def test_a_data_ctx_used_without_with_sends_every_batch_and_its_count_at_the_end_of_stream(persia_env):
+    """``ctx = DataCtx()`` with no ``with`` (the process's end ends the stream): its last batch,
+    held for a group partner, was never sent and its epoch's count never announced, so the NN
+    side trained one batch less and its accounting was off by every batch."""
+    with cluster():
+        loader_stream.reset()
+        errors: list = []
+
+        def run() -> None:
+            try:
+                ctx = DataCtx()
+                for i in range(7):  # odd: the last one waits for a partner to share a message
+                    ctx.send_data(make_batch(i))
+                end_of_stream()  # what the process's exit runs
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        sender = threading.Thread(target=run, daemon=True)
+        sender.start()
+        model = Model()
+        with adagrad_ctx(model) as ctx:
+            trained = train_stream(ctx, staleness=2)
+        sender.join(30)
+    assert not errors and trained == 7
+    result = ACCOUNT.as_result()
+    assert (result["batches_sent"], result["batches_trained"], result["batches_unannounced"]) == (7, 7, 0), result

@@ -446,6 +446,12 @@ class DataCtx(BaseCtx):
             raise gone
 
     def _send_end_of_stream(self) -> None:
+        if not self._closed:  # used without ``with``: its epoch ends here, its held batches sent first
+            try:
+                self.close()
+            except Exception as exc:  # noqa: BLE001 - at exit: said, and the stream still ends
+                log.error("data loader %d: ending the epoch of a DataCtx never closed failed: %s: %s",
+                          self.replica_index, type(exc).__name__, exc)
         s = self._stream
         message = {"loader": self.replica_index, "loader_size": self.replica_size, "session": s.session,
                    "epoch": s.epoch, "sent": 0, "final": True, "failed_sends": dict(s.failed)}
