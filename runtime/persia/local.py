@@ -438,11 +438,26 @@ class LocalJob:
             if self.signals:  # Ctrl-C / SIGTERM while waiting: stopped, not done
                 return self._stop_for_signal()
             time.sleep(0.05)  # polling: the signal handler takes no lock we could wait on
-        for n in loaders:
-            if self.procs[n].poll() is None:
-                self.out.line("local", f"{n} still running after training finished: stopping it")
-        return [f"{n} {describe_exit(self.procs[n].returncode)}" for n in loaders
-                if self.procs[n].poll() not in (None, 0)]
+        for line in loaders_after_training({n: self.procs[n].poll() for n in loaders}):
+            self.out.line("local", line)
+        return []
+
+
+def loaders_after_training(codes: dict[str, int | None]) -> list[str]:
+    """What to say of the data loaders once training finished (pure; ``codes``: each one's exit
+    code, None while it runs). Their end does not decide the job: the NN workers finished it (an
+    operator batch job succeeds once its NN workers completed, too). A loader with batches left whose trainer said
+    it was done fails with ``TrainerGone`` some 30 s later (``persia.data_loader.trainers``), as
+    local mode stops the ones still running; either way the job is done, and which came first
+    made it pass or fail at random before. A non-zero exit is named, so it is not missed."""
+    lines = []
+    for name, code in codes.items():
+        if code is None:
+            lines.append(f"{name} still running after training finished: stopping it")
+        elif code != 0:
+            lines.append(f"WARNING: {name} {describe_exit(code)} after training finished (the NN workers "
+                         f"decide the job: not a failure of it; its output above says why)")
+    return lines
 
 
 def check_configs(args) -> None:

@@ -213,3 +213,19 @@ def test_a_nats_server_that_cannot_start_says_why():
     server = NatsServer(extra_config="this is { not a valid config\n")
     with pytest.raises(RuntimeError, match=r"exited with code \d+ at start; its last output:\n(.|\n)*\S"):
         server.start()
+
+
+def test_loaders_ending_after_training_are_named_but_do_not_decide_the_job():
+    """A loader whose trainer finished with batches left fails with TrainerGone about when local
+    mode stops the loaders still running: which came first made the job pass or fail at random."""
+    from persia.local import loaders_after_training
+
+    lines = loaders_after_training({"dl-0": 0, "dl-1": None, "dl-2": 1, "dl-3": -9})
+    assert lines == [
+        "dl-1 still running after training finished: stopping it",
+        "WARNING: dl-2 exit code 1 after training finished (the NN workers decide the job: not a failure of it; "
+        "its output above says why)",
+        "WARNING: dl-3 killed by SIGKILL after training finished (the NN workers decide the job: not a failure of "
+        "it; its output above says why)",
+    ]
+
