@@ -670,6 +670,12 @@ def _read_yaml(path: Union[str, Path]) -> Any:
             return yaml.load(fh, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except FileNotFoundError:
         raise ConfigError(str(path), ["file not found"]) from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), ["a directory, not a file"]) from None
+    except OSError as exc:
+        raise ConfigError(str(path), [f"cannot read it: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(path), [f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"]) from None
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), [f"invalid YAML: {exc}"]) from None
 

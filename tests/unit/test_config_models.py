@@ -437,6 +437,14 @@ def test_unreadable_files_are_config_errors(tmp_path):
         load_global_config(bad)
     with pytest.raises(ConfigError, match=r"nope.yml: file not found"):
         load_global_config(tmp_path / "nope.yml")
+    # a directory and a file that is not UTF-8: named, not a traceback or a bare codec message
+    (tmp_path / "config_dir").mkdir()
+    with pytest.raises(ConfigError, match=r"config_dir: a directory, not a file"):
+        load_global_config(tmp_path / "config_dir")
+    latin = tmp_path / "latin1.yml"
+    latin.write_bytes("common_config: {}  # caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1.yml: not UTF-8 text \(byte 0xe9 at offset"):
+        load_global_config(latin)
     scalar = tmp_path / "scalar.yml"
     scalar.write_text("42\n")
     with pytest.raises(ConfigError, match=r"scalar.yml: the file must hold a mapping of keys, got int"):

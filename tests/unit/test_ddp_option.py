@@ -123,3 +123,19 @@ def test_a_joined_group_is_reused_only_when_it_is_the_one_the_context_would_make
         with pytest.raises(PersiaValidationError, match=mismatch) as info:
             check_joined_group(*group, 2, 1, "gloo")
         assert "rank 1 of 2 on gloo" in str(info.value) and "destroy_process_group" in str(info.value)
+
+
+def test_a_ddp_free_port_setting_that_is_not_a_switch_is_refused_when_the_context_is_made(monkeypatch):
+    """``PERSIA_DDP_FREE_PORT=2`` was taken as off (only "1" meant on), silently."""
+    from persia.ctx import TrainCtx
+    from persia.embedding.optim import Adagrad
+
+    model = torch.nn.Linear(2, 1)
+    monkeypatch.setenv("PERSIA_DDP_FREE_PORT", "2")
+    with pytest.raises(ValueError, match="environment variable PERSIA_DDP_FREE_PORT must be 1/on or 0/off, got '2'"):
+        TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1), dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    for ok, on in (("0", False), ("on", True), ("", True)):
+        monkeypatch.setenv("PERSIA_DDP_FREE_PORT", ok)
+        ctx = TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                       dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert ctx._ddp_free_port is on

@@ -97,6 +97,12 @@ def settings_from(config=None, env: Mapping[str, str] | None = None, **overrides
             raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
     if values.get("interval_seconds") is not None and not float(values["interval_seconds"]) > 0:
         raise ValueError(f"interval_seconds must be positive, got {values['interval_seconds']!r}")
+    resume = values.get("resume")
+    if resume not in (None, "auto", "never") and not os.path.isdir(str(resume)):
+        # a path (anything else is one): checked here, naming where it came from, not at the
+        # first file the load misses ("yes: no embedding_dump_done marker")
+        raise ValueError(f"resume={resume!r} (from {source.get('resume', 'the arguments')}) must be 'auto', 'never' "
+                         "or an existing checkpoint directory")
     if "://" in str(values.get("checkpoint_dir") or ""):
         raise ValueError(f"checkpoint_dir {values['checkpoint_dir']!r}: only local/mounted paths are supported")
     return CheckpointSettings(**values)

@@ -126,6 +126,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._thread_tuner: ThreadTuner | None = None
         self._placement: TrainingPlacement | None = None
         self._large_buffers = LargeBuffers()  # reads PERSIA_MALLOC_TUNING now: a bad value fails here
+        self._ddp_free_port = env.switch_on("PERSIA_DDP_FREE_PORT", os.environ)  # likewise (it was "1" or not)
         self.trained_batches = 0
         self.skipped_non_finite = 0
         self._last_progress = 0.0
@@ -200,7 +201,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if not joined and not option.init_with_env_file() and master_addr is None:
             if self.rank == 0:
                 master_addr = advertise_host()
-                if option.master_port == 23456 and os.environ.get("PERSIA_DDP_FREE_PORT", "1") == "1":
+                if option.master_port == 23456 and self._ddp_free_port:
                     # below the ephemeral range: the other ranks may connect before the store
                     # listens, and a port-0 pick could be their connect's own source port
                     option.master_port = unclaimed_ports(1, host=bind_address())[0]
