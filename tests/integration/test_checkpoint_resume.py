@@ -107,6 +107,22 @@ def test_resume_never_starts_from_zero(persia_env, tmp_path):
     assert ctx.resumed_from is None and ctx.start_step == 0 and ctx.step == 4
 
 
+def test_a_resume_that_is_neither_a_mode_nor_a_directory_is_refused_at_entry_naming_where_it_came_from(
+        persia_env, tmp_path, monkeypatch):
+    """``PERSIA_RESUME=yes`` failed in the load with ``yes: no embedding_dump_done marker``."""
+    from persia.errors import PersiaValidationError
+
+    monkeypatch.setenv("PERSIA_RESUME", "yes")
+    model = Model()
+    with cluster():
+        with pytest.raises(PersiaValidationError, match=r"resume='yes' \(from env PERSIA_RESUME='yes'\) must be "
+                                                        r"'auto', 'never' or an existing checkpoint directory"):
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          checkpoint_dir=str(tmp_path / "ckpts")):
+                pass
+
+
 def test_a_restart_of_a_run_resumes_from_its_own_checkpoints_whatever_resume_says(persia_env, tmp_path,
                                                                                    monkeypatch):
     """``resume: never`` (or a path) reaches every restart of the job too: a restarted job started

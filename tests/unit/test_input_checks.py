@@ -211,17 +211,6 @@ def test_a_configured_interval_without_a_dir_is_refused_and_the_operator_setting
     assert plan.settings_from(cfg, {plan.ENV_STEPS: ""}).periodic is False  # the interval unset: nothing asked
 
 
-def test_a_resume_that_is_neither_a_mode_nor_a_directory_is_refused_naming_where_it_came_from(tmp_path):
-    """``PERSIA_RESUME=yes`` failed at the load with ``yes: no embedding_dump_done marker``."""
-    with pytest.raises(ValueError, match=r"resume='yes' \(from env PERSIA_RESUME='yes'\) must be 'auto', 'never' or "
-                                         r"an existing checkpoint directory"):
-        plan.settings_from(None, {plan.ENV_RESUME: "yes"})
-    with pytest.raises(ValueError, match=r"resume='/nowhere' \(from the TrainCtx argument\)"):
-        plan.settings_from(None, {}, resume="/nowhere")
-    for ok in ("auto", "never", "", str(tmp_path)):
-        assert plan.settings_from(None, {plan.ENV_RESUME: ok}).resume == (ok or "auto")
-
-
 def load_global_config(**keys):
     from persia.config import load_global_config_from_dict
 

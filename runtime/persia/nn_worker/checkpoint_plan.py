@@ -41,6 +41,7 @@ class CheckpointSettings(BaseModel):
     interval_seconds: Optional[float] = None
     keep: int = 3
     resume: str = "auto"
+    resume_source: str = "the default"  # where ``resume`` came from, for the error of a path that is not one
 
     @property
     def periodic(self) -> bool:
@@ -65,7 +66,7 @@ def settings_from(config=None, env: Mapping[str, str] | None = None, **overrides
     values = {}
     source: dict[str, str] = {}  # where each key's value came from, for the errors below
     if config is not None:
-        for key in CheckpointSettings.model_fields:
+        for key in CheckpointSettings.model_fields.keys() - {"resume_source"}:
             values[key] = getattr(config, key)
             source[key] = f"checkpointing_config.{key}"
     for name, key, kind in ((ENV_DIR, "checkpoint_dir", str), (ENV_STEPS, "interval_steps", int),
@@ -97,15 +98,9 @@ def settings_from(config=None, env: Mapping[str, str] | None = None, **overrides
             raise ValueError(f"{key} must be a positive integer, got {values[key]!r}")
     if values.get("interval_seconds") is not None and not float(values["interval_seconds"]) > 0:
         raise ValueError(f"interval_seconds must be positive, got {values['interval_seconds']!r}")
-    resume = values.get("resume")
-    if resume not in (None, "auto", "never") and not os.path.isdir(str(resume)):
-        # a path (anything else is one): checked here, naming where it came from, not at the
-        # first file the load misses ("yes: no embedding_dump_done marker")
-        raise ValueError(f"resume={resume!r} (from {source.get('resume', 'the arguments')}) must be 'auto', 'never' "
-                         "or an existing checkpoint directory")
     if "://" in str(values.get("checkpoint_dir") or ""):
         raise ValueError(f"checkpoint_dir {values['checkpoint_dir']!r}: only local/mounted paths are supported")
-    return CheckpointSettings(**values)
+    return CheckpointSettings(**values, resume_source=source.get("resume", "the TrainCtx argument"))
 
 
 def checkpoint_name(step: int) -> str:

@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from persia.bus import subject
+from persia.errors import PersiaValidationError
 from persia.env import grace_period_s
 from persia.embedding_ps.checkpoint import write_json_atomic
 from persia.nn_worker import checkpoint_plan as plan
@@ -180,6 +181,9 @@ class PeriodicCheckpointing:
             return
         where, name = choice
         path = directory / name if where == "dir" else Path(name)
+        if where == "path" and not path.is_dir():  # named, not at the first file the load misses
+            raise PersiaValidationError(f"resume={name!r} (from {s.resume_source}) must be 'auto', 'never' or an "
+                                        "existing checkpoint directory")
         progress = read_progress(path)
         t0 = time.monotonic()
         if self.rank == 0:
