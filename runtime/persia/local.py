@@ -74,7 +74,7 @@ def add_local_parser(sub) -> None:
     p.add_argument("--max-restarts", **env_flag("PERSIA_MAX_RESTARTS", int, "integer", 3),
                    help="whole-job restarts after a role is killed or a server exits (default 3; "
                         "each restart resumes from the latest checkpoint)")
-    p.add_argument("--grace-period", type=_grace_period_arg, default=grace_period_s(),
+    p.add_argument("--grace-period", type=_grace_period_arg, default=None,
                    help="seconds roles get to shut down on SIGTERM (default PERSIA_GRACE_PERIOD_SECONDS or 30)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="extra env for every role")
 
@@ -474,6 +474,8 @@ def check_configs(args) -> None:
 def run_local(args) -> int:
     allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
     try:
+        if args.grace_period is None:  # read here, not when the parser is built (every subcommand's)
+            args.grace_period = grace_period_s()
         split, placement = cpu_split(allowed, args.nproc_per_node, args.cpu_placement)
         roles = plan(args, base_env=dict(os.environ), split=split)
         check_configs(args)

@@ -138,6 +138,21 @@ def test_a_bad_metrics_port_is_refused_by_the_launcher_before_any_role_starts(en
     assert message in capsys.readouterr().err
 
 
+def test_a_bad_grace_period_variable_fails_only_local_mode_and_without_a_traceback(monkeypatch, capsys):
+    """It was read when the parser was built: every subcommand, a PS's too, died with a traceback."""
+    from persia.launcher import build_parser
+    from persia.local import run_local
+
+    monkeypatch.setenv("PERSIA_GRACE_PERIOD_SECONDS", "abc")
+    assert build_parser().parse_args(["embedding-parameter-server"]).role == "embedding-parameter-server"
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "adult-income")
+    args = build_parser().parse_args([
+        "local", "--nn-worker", os.path.join(example, "train.py"), "--data-loader", os.path.join(example, "data_loader.py"),
+        "--embedding-config", os.path.join(example, "config", "embedding_config.yml")])
+    assert run_local(args) == 2
+    assert "PERSIA_GRACE_PERIOD_SECONDS must be a number of seconds from 0 to 86400, got 'abc'" in capsys.readouterr().err
+
+
 def test_the_grace_period_flag_takes_seconds():
     from persia.launcher import build_parser
 
