@@ -139,3 +139,20 @@ def test_a_ddp_free_port_setting_that_is_not_a_switch_is_refused_when_the_contex
         ctx = TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
                        dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
         assert ctx._ddp_free_port is on
+
+
+def test_a_train_ctx_made_and_never_entered_starts_no_thread():
+    """Its update outbox's flusher started in the constructor and lived on, one per context made."""
+    import threading
+
+    from persia.ctx import TrainCtx
+    from persia.embedding.optim import Adagrad
+
+    def flushers() -> int:
+        return sum(t.name == "persia-update-flusher" and t.is_alive() for t in threading.enumerate())
+
+    before = flushers()
+    model = torch.nn.Linear(2, 1)
+    made = [TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                     dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) for _ in range(3)]
+    assert len(made) == 3 and flushers() == before

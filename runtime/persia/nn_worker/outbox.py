@@ -78,8 +78,16 @@ class UpdateOutbox:
         self.sent_alone = 0
         self._flusher = None
         if start_flusher:
+            self.start()
+
+    def start(self) -> None:
+        """Start the flusher thread (once): a TrainCtx starts it when it is entered, so one that
+        is made and never entered leaves no thread behind."""
+        with self._cond:
+            if self._flusher is not None or self._closed:
+                return
             self._flusher = threading.Thread(target=self._flush_loop, name="persia-update-flusher", daemon=True)
-            self._flusher.start()
+        self._flusher.start()
 
     def __len__(self) -> int:
         with self._cond:

@@ -113,7 +113,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # the next batch's replay while the training thread steps (next_batch_correction)
         self._corrector = (NextBatchCorrector(self._correct_next, order=lambda b: int(b.replay["since"]))
                            if self._own is not None else None)
-        self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order)
+        self._outbox = UpdateOutbox(self._send_alone, max_hold_s=_update_hold_s(), send_lock=self._send_order,
+                                    start_flusher=False)  # started at the entry
         self._group_setting = lookup_group_setting()  # PERSIA_LOOKUP_GROUP, checked here
         self._current_batch: PersiaTrainingBatch | None = None
         # training batches a DataLoader handed out and no backward consumed yet, in that order
@@ -148,6 +149,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                                    "TrainCtx for the next `with` (the embeddings stay on the PS, the dense model "
                                    "in the model object)")
         self._entered = True
+        self._outbox.start()
         super()._enter()
         if self.world_size > 1:
             self._init_distributed()
