@@ -432,8 +432,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         if persia_training_batch.requires_grad:
             self._release_skipped(persia_training_batch)
             self._forwarded_no_grad = None
-        else:  # backward() on it says why it cannot, instead of "without a training batch"
-            self._forwarded_no_grad = persia_training_batch
+        else:  # a streamed one sent requires_grad=False: backward() on it says why it cannot
+            self._forwarded_no_grad = persia_training_batch if persia_training_batch.ref is not None else None
         return self._prepare_with_replay(persia_training_batch)
 
     def _skip_step(self, batch: PersiaTrainingBatch, reason: str) -> None:
