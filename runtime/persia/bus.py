@@ -367,6 +367,8 @@ class NatsBus:
         if sub not in self._subs:
             return
         self._subs.remove(sub)
+        if self._outage.closing:  # closed: its subscriptions went with it, and its loop runs nothing more
+            return
         if drain:
             try:
                 self.run(asyncio.wait_for(sub.drain(), timeout_s))

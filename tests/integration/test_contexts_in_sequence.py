@@ -17,6 +17,7 @@ from persia.data_loader import stream as loader_stream
 from persia.data_loader.stream import end_of_stream
 from persia.embedding.optim import Adagrad
 from persia.nn_worker.accounting import ACCOUNT
+from tests.polling import poll_until
 
 from .cluster import cluster
 from .test_training_path import Model, make_batch, train_step
@@ -89,8 +90,25 @@ def test_a_train_ctx_per_epoch_trains_every_epoch(persia_env):
 
 
 def test_a_train_ctx_left_early_and_the_next_one_account_for_every_batch(persia_env):
+    """The loader ends its stream between the two contexts (every batch acknowledged by the first):
+    its end of stream is kept for the second. Before, nobody answered it and the rank had said
+    nn.done, so the loader skipped it and the second context's loop waited until its timeout."""
     with cluster():
-        t = start_loader(epochs=1, train_epochs=1)
+        loader_stream.reset()
+        release, errors = threading.Event(), []
+
+        def run():
+            try:
+                with DataCtx(trainer_grace_s=3) as dctx:
+                    for i in range(PER_EPOCH):
+                        dctx.send_data(make_batch(i))
+                    release.wait(30)
+                end_of_stream()  # the epoch's end and the stream's, while no context is open
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
         model = Model()
         first = rest = 0
         with train_ctx(model) as ctx:
@@ -98,7 +116,12 @@ def test_a_train_ctx_left_early_and_the_next_one_account_for_every_batch(persia_
                 train_step(ctx, batch)
                 first += 1
                 if first == 3:
+                    poll_until(lambda: loader_stream.current().sent_total == PER_EPOCH, "every batch acknowledged")
                     break
+        poll_until(lambda: loader_stream.current().trainers.done_at(0) is not None, "the loader hearing nn.done")
+        release.set()
+        poll_until(lambda: not t.is_alive(), "the loader ending its stream between the contexts")
+        assert not errors, errors
         with train_ctx(model) as ctx:
             for batch in DataLoader(StreamingDataset(4), embedding_staleness=2, timeout_ms=30_000):
                 train_step(ctx, batch)

@@ -11,6 +11,7 @@ import socket
 import stat
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from persia import messages as M
 from persia.bus import NatsBus, subject
 from persia.errors import RemoteError
 from persia.nats_server import CONFIG_NAME, NatsServer, private_dir_with_config
-from persia.nn_worker.datasets import StreamingDataset, _RankStream
+from persia.nn_worker.datasets import StreamingDataset, _stream_state, route_ends
 from persia.security import SIGNATURE_HEADER, NatsAuth, new_secret, sign
 from persia.wire.codec import decode, encode
 
@@ -127,7 +128,10 @@ def job(persia_env, tmp_path, monkeypatch):
         member.request(subject("ps", "register_optimizer", 0), {"type": "SGD", "lr": 0.1})
         ps.lookup({"train": True, "tables": [{"dim": 4, "signs": np.arange(1, 6, dtype=np.uint64)}]})
         ds = StreamingDataset(buffer_size=64)
-        ds._register(member, _RankStream(), 0)
+        stream = _stream_state(0, SimpleNamespace())  # the process's stream of rank 0
+        route_ends(member, 0)  # its ends of stream go to the open view's queue
+        stream.open_view(0, None, 1.0, view=ds)
+        ds._register(member, stream, 0)
         # an account of another job on the same NATS: authenticated, but without this job's secret
         outsider = NatsBus(name="other-job", secret=new_secret().encode())
         try:

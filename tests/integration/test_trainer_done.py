@@ -144,9 +144,16 @@ def test_a_loader_whose_trainer_left_fails_at_once_naming_the_rank(persia_env) -
         assert stream.failed["send_dense"] >= 1
 
 
-def test_an_epoch_end_to_a_rank_that_left_fails_instead_of_waiting_the_send_deadline(persia_env) -> None:
+@pytest.mark.parametrize("trainer", ["process alive", "process gone"])
+def test_an_epoch_end_to_a_rank_that_left_is_kept_or_fails_instead_of_waiting_the_send_deadline(
+        persia_env, trainer) -> None:
     """The trainer takes exactly the loader's 4 batches and leaves before the loader ends its
-    epoch. Before: the end of epoch (which carries the count) was retried for ``send_deadline_s``."""
+    epoch. Its process still alive, the rank keeps the end for a later context (it is answered at
+    once); its process gone (played by forgetting its streams, which stops their answers), the end
+    fails with TrainerGone. Before: the end (which carries the count) was retried for
+    ``send_deadline_s``."""
+    from persia.nn_worker import datasets
+
     with cluster():
         loader_stream.reset()
         errors: list = []
@@ -172,12 +179,17 @@ def test_an_epoch_end_to_a_rank_that_left_fails_instead_of_waiting_the_send_dead
                 if step == 3:
                     break
         poll_until(lambda: told_done(0), "the loader hearing rank 0's nn.done")
+        if trainer == "process gone":
+            datasets.reset_streams()
         trainer_left.set()
-        poll_until(lambda: not loader.is_alive(), "the loader's epoch end failing", deadline_s=30.0)
+        poll_until(lambda: not loader.is_alive(), "the loader's epoch end", deadline_s=30.0)
+        assert loader_stream.current().sent_total == 4
+        if trainer == "process alive":
+            assert not errors and timing["closing"]
+            return
         assert len(errors) == 1 and type(errors[0]).__name__ == "TrainerGone", errors
         assert "the end of epoch 0 not sent" in str(errors[0])
         assert timing["raised"] - timing["closing"] < 20.0
-        assert loader_stream.current().sent_total == 4
 
 
 def test_only_a_context_that_ends_without_a_failure_says_nn_done(persia_env) -> None:

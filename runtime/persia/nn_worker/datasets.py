@@ -96,9 +96,20 @@ class _RankStream:
     # the messages between them, and take the carry before the first had put its queue there
     view_open: bool = False
     view_stop: threading.Event | None = None  # the open view's: set once its loop was closed
-    handover: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    view: Any = None  # the open view (a StreamingDataset): ends of stream go to its queue
+    handover: threading.Condition = field(default_factory=threading.Condition, repr=False)  # also guards carry
+    def on_eos(self, msg: dict) -> Any:
+        """An end of stream: to the open view's queue, in order with its batches, or into the
+        carry while no view is open (the next one reads it first)."""
+        with self.handover:
+            view = self.view
+            if view is None:  # between views: the next one reads it first
+                self.carry.append(("eos", msg))
+                return {"ack": True}
+        # through the view's queue so it is seen after every batch that loader sent before it
+        return {"ack": True} if view._offer(("eos", msg)) else BUSY
 
-    def open_view(self, rank: int, stop: threading.Event | None, wait_s: float) -> None:
+    def open_view(self, rank: int, stop: threading.Event | None, wait_s: float, view: Any = None) -> list:
         """Become the stream's one view: wait (up to ``wait_s``) for a view whose loop was closed
         (``break``, an iterator dropped) to put what it holds back for the next; refuse at once
         while one whose loop is still open (an iterator kept) holds the stream."""
@@ -115,11 +126,15 @@ class _RankStream:
                     raise PersiaError(f"NN rank {rank}: the DataLoader loop closed before this one still held "
                                       f"its stream after {wait_s:g}s")
                 self.handover.wait(left)
-            self.view_open, self.view_stop = True, stop
+            self.view_open, self.view_stop, self.view = True, stop, view
+            carry, self.carry = self.carry, []
+            return carry  # what earlier views and the time between views left, in arrival order
 
-    def close_view(self) -> None:
+    def close_view(self, left: list) -> None:
+        """The view ends; ``left``, what it did not consume, goes before anything carried since."""
         with self.handover:
-            self.view_open, self.view_stop = False, None
+            self.carry = left + self.carry
+            self.view_open, self.view_stop, self.view = False, None, None
             self.handover.notify_all()
 
     def delivered_by_loader(self) -> dict[int, int]:
@@ -178,10 +193,47 @@ def _stream_state(rank: int, owner) -> _RankStream:
     return streams[rank]
 
 
+# ``nn.eos.<rank>`` is answered for the process's life, not per view, and handed to the rank's
+# stream of the moment: a data loader's end of stream sent between two contexts (nobody
+# subscribed, the rank having said nn.done) was skipped, and the next context's loop waited for
+# it until its timeout
+_eos_routes: dict[int, tuple[Any, Any]] = {}  # rank -> (bus, subscription)
+_eos_routes_lock = threading.Lock()
+
+
+def route_ends(bus, rank: int) -> None:
+    """Answer ``nn.eos.<rank>`` on ``bus`` (once per bus and rank) for the rank's stream state
+    in this process at the time each message comes (:meth:`_RankStream.on_eos`)."""
+    with _eos_routes_lock:
+        route = _eos_routes.get(rank)
+        if route is not None and route[0] is bus:
+            return
+        _eos_routes[rank] = (bus, bus.serve(subject("nn", "eos", rank), lambda msg: _on_eos(rank, msg),
+                                            schema=M.EndOfStream))
+
+
+def _on_eos(rank: int, msg: dict) -> Any:
+    # Checked here so a bad one is refused to its sender instead of stopping the trainer.
+    if msg["loader"] >= msg["loader_size"]:
+        raise ValueError(f"end of stream: loader {msg['loader']} out of range for loader_size {msg['loader_size']}")
+    with _process_streams_lock:
+        state = _process_streams.get(rank)
+    return BUSY if state is None else state.on_eos(msg)
+
+
 def reset_streams() -> None:
-    """Forget the process's streams (tests play a fresh NN-worker process each)."""
+    """Forget the process's streams and stop answering their ends (tests play a fresh NN-worker
+    process each)."""
     with _process_streams_lock:
         _process_streams.clear()
+    with _eos_routes_lock:
+        routes = list(_eos_routes.values())
+        _eos_routes.clear()
+    for bus, sub in routes:
+        try:
+            bus.unsubscribe(sub)
+        except Exception:  # noqa: BLE001 - its bus closed already: nothing left to stop
+            pass
 
 
 class StreamingDataset(IterableDatasetBase):
@@ -215,17 +267,15 @@ class StreamingDataset(IterableDatasetBase):
 
     def _register(self, bus, state: _RankStream, rank: int) -> None:
         self._state = state
-        self._closed = False  # this dataset's earlier view closed it (the same dataset, a new loop)
         self._subs = [
             bus.serve(subject("nn", "batch", rank), self._on_batch_waiting, schema=M.Batch, blocking=False,
                       try_first=self._on_batch_now),
             bus.serve(subject("nn", "batch_group", rank), self._on_group_waiting, schema=M.BatchGroup,
                       blocking=False, try_first=self._on_group_now),
-            bus.serve(subject("nn", "eos", rank), self._on_eos, schema=M.EndOfStream),
         ]
         bus.flush()
 
-    def _close(self, bus, state: _RankStream) -> None:
+    def _close(self, bus, state: _RankStream) -> list:
         """Stop answering (a later StreamingDataset of this process takes over); whatever arrived
         but was not consumed is kept for it, so an acknowledged batch is never dropped here.
         Closed first, so that offers under way answer busy at once (their senders retry, and
@@ -239,12 +289,14 @@ class StreamingDataset(IterableDatasetBase):
         for sub in self._subs:
             bus.unsubscribe(sub, drain=True)
         self._subs = []
+        left = []
         with self._space:
             while True:
                 try:
-                    state.carry.append(self._queue.get_nowait())
+                    left.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
+        return left
 
     def _offer(self, item: tuple, wait: bool = True) -> bool:
         """Queue ``item``, waiting up to ``busy_wait_s`` for room (woken by the consumer, not by
@@ -341,13 +393,6 @@ class StreamingDataset(IterableDatasetBase):
         waits on the loop for room."""
         return self._on_batch(msg, wait=False)
 
-    def _on_eos(self, msg: dict) -> Any:
-        # Checked here so a bad one is refused to its sender instead of stopping the trainer.
-        if msg["loader"] >= msg["loader_size"]:
-            raise ValueError(f"end of stream: loader {msg['loader']} out of range for loader_size {msg['loader_size']}")
-        # Goes through the same queue so it is seen after every batch that loader sent before it.
-        return {"ack": True} if self._offer(("eos", msg)) else BUSY
-
     def has_ready(self) -> bool:
         """Whether the next message waiting is a batch this view yields at once (not an end of
         stream, nor a later epoch's batch): the dispatcher then looks it up together with the
@@ -386,16 +431,18 @@ class StreamingDataset(IterableDatasetBase):
         Event) is set: a loop closed early, whose unconsumed messages the next view gets.
         ``owner``: the context whose training session this is (the stream's state lives with it)."""
         state = _stream_state(rank, owner)
-        state.open_view(rank, stop, VIEW_HANDOVER_S)
+        route_ends(bus, rank)  # ends of stream reach the stream of the moment, views or not
+        pending = state.open_view(rank, stop, VIEW_HANDOVER_S, view=self)
+        self._closed = False  # this dataset's earlier view closed it (the same dataset, a new loop)
         try:
             self._register(bus, state, rank)
         except BaseException:
-            state.close_view()
+            state.close_view(pending)
             raise
         if self.until == "epoch":
             self.epoch = state.next_epoch
-        pending, state.carry = state.carry, []
         ended = False  # this epoch (or the stream) ended: not closed early, not failed
+        later: list = []  # messages of a later epoch, for the view that reads it
         try:
             while not self._finished(state):
                 if pending:
@@ -413,7 +460,7 @@ class StreamingDataset(IterableDatasetBase):
                     continue
                 epoch = int(msg.get("epoch", 0))
                 if self.epoch is not None and epoch > self.epoch:
-                    state.carry.append((kind, msg))  # the next epoch's: its own view yields it
+                    later.append((kind, msg))  # the next epoch's: its own view yields it
                     continue
                 if msg.get("loader_size") is not None:
                     state.see_loader_size(int(msg["loader_size"]))
@@ -423,13 +470,13 @@ class StreamingDataset(IterableDatasetBase):
                 yield msg
             ended = True
         finally:
-            state.carry = pending + state.carry
+            left = pending + later
             try:
-                self._close(bus, state)
+                left += self._close(bus, state)
             finally:
                 if ended and self.epoch is not None:  # before the next view may open
                     state.next_epoch = self.epoch + 1
-                state.close_view()
+                state.close_view(left)
 
     def _finished(self, state: _RankStream) -> bool:
         if self.epoch is None:
