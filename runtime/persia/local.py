@@ -446,10 +446,11 @@ class LocalJob:
 def loaders_after_training(codes: dict[str, int | None]) -> list[str]:
     """What to say of the data loaders once training finished (pure; ``codes``: each one's exit
     code, None while it runs). Their end does not decide the job: the NN workers finished it (an
-    operator batch job succeeds once its NN workers completed, too). A loader with batches left whose trainer said
-    it was done fails with ``TrainerGone`` some 30 s later (``persia.data_loader.trainers``), as
-    local mode stops the ones still running; either way the job is done, and which came first
-    made it pass or fail at random before. A non-zero exit is named, so it is not missed."""
+    operator batch job succeeds once its NN workers completed, too). A loader with batches left
+    whose trainer said it was done fails with ``TrainerGone`` some 30 s later
+    (``persia.data_loader.trainers``), as local mode stops the ones still running; either way the
+    job is done, and which came first made it pass or fail at random before. A non-zero exit is
+    named, so it is not missed."""
     lines = []
     for name, code in codes.items():
         if code is None:

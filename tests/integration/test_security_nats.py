@@ -130,7 +130,7 @@ def job(persia_env, tmp_path, monkeypatch):
         ds = StreamingDataset(buffer_size=64)
         stream = _stream_state(0, SimpleNamespace())  # the process's stream of rank 0
         route_ends(member, 0)  # its ends of stream go to the open view's queue
-        stream.open_view(0, None, 1.0, view=ds)
+        stream.open_view(ds, 0, None, 1.0)
         ds._register(member, stream, 0)
         # an account of another job on the same NATS: authenticated, but without this job's secret
         outsider = NatsBus(name="other-job", secret=new_secret().encode())

@@ -86,7 +86,7 @@ class _RankStream:
     # (loader, session, batch_id) arrived lately: a retried send is trained once
     seen: RecentKeys = field(default_factory=RecentKeys)
     next_epoch: int = 0  # the epoch the next per-epoch view iterates
-    carry: list = field(default_factory=list)  # batches of a later epoch, left by a per-epoch view
+    carry: list = field(default_factory=list)  # what no view consumed yet: left by one, or come between views
     resume: dict | None = None  # the checkpoint this training session resumed (nn.info's "resume")
     # per loader index, every process of it: batches this rank acknowledged (queued), in arrival
     # order; what a loader restarted in place skips (TrainCtx._live_position)
@@ -94,10 +94,10 @@ class _RankStream:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     # one view of the stream at a time (open_view): a second one subscribed beside it would split
     # the messages between them, and take the carry before the first had put its queue there
-    view_open: bool = False
+    view: Any = None  # the open view (a StreamingDataset), if any: ends of stream go to its queue
     view_stop: threading.Event | None = None  # the open view's: set once its loop was closed
-    view: Any = None  # the open view (a StreamingDataset): ends of stream go to its queue
     handover: threading.Condition = field(default_factory=threading.Condition, repr=False)  # also guards carry
+
     def on_eos(self, msg: dict) -> Any:
         """An end of stream: to the open view's queue, in order with its batches, or into the
         carry while no view is open (the next one reads it first)."""
@@ -109,13 +109,13 @@ class _RankStream:
         # through the view's queue so it is seen after every batch that loader sent before it
         return {"ack": True} if view._offer(("eos", msg)) else BUSY
 
-    def open_view(self, rank: int, stop: threading.Event | None, wait_s: float, view: Any = None) -> list:
+    def open_view(self, view: Any, rank: int, stop: threading.Event | None, wait_s: float) -> list:
         """Become the stream's one view: wait (up to ``wait_s``) for a view whose loop was closed
         (``break``, an iterator dropped) to put what it holds back for the next; refuse at once
         while one whose loop is still open (an iterator kept) holds the stream."""
         end = time.monotonic() + wait_s
         with self.handover:
-            while self.view_open:
+            while self.view is not None:
                 if self.view_stop is None or not self.view_stop.is_set():
                     raise PersiaError(
                         f"NN rank {rank}: a DataLoader loop over this stream is still open (an iterator kept "
@@ -126,7 +126,7 @@ class _RankStream:
                     raise PersiaError(f"NN rank {rank}: the DataLoader loop closed before this one still held "
                                       f"its stream after {wait_s:g}s")
                 self.handover.wait(left)
-            self.view_open, self.view_stop, self.view = True, stop, view
+            self.view, self.view_stop = view, stop
             carry, self.carry = self.carry, []
             return carry  # what earlier views and the time between views left, in arrival order
 
@@ -134,7 +134,7 @@ class _RankStream:
         """The view ends; ``left``, what it did not consume, goes before anything carried since."""
         with self.handover:
             self.carry = left + self.carry
-            self.view_open, self.view_stop, self.view = False, None, None
+            self.view, self.view_stop = None, None
             self.handover.notify_all()
 
     def delivered_by_loader(self) -> dict[int, int]:
@@ -432,7 +432,7 @@ class StreamingDataset(IterableDatasetBase):
         ``owner``: the context whose training session this is (the stream's state lives with it)."""
         state = _stream_state(rank, owner)
         route_ends(bus, rank)  # ends of stream reach the stream of the moment, views or not
-        pending = state.open_view(rank, stop, VIEW_HANDOVER_S, view=self)
+        pending = state.open_view(self, rank, stop, VIEW_HANDOVER_S)
         self._closed = False  # this dataset's earlier view closed it (the same dataset, a new loop)
         try:
             self._register(bus, state, rank)

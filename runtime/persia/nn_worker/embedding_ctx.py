@@ -116,7 +116,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         """Process settings this context holds from its entry to its exit (``start()``, ``stop()``):
         the outermost NN worker context flushes denormals on its thread (an eval_ctx inside a
         TrainCtx finds it done); threads it starts inherit the setting."""
-        return [] if any(isinstance(c, EmbeddingCtx) for c in ctx_stack()) else [self._denormals]
+        return [self._denormals] if self._outermost() else []
 
     def _stop_spans(self) -> None:
         spans, self._spans = self._spans, []
@@ -157,6 +157,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         return exc is None
 
     def _outermost(self) -> bool:
+        """No other NN-worker context encloses this one (it need not be on the stack yet)."""
         return not any(isinstance(c, EmbeddingCtx) and c is not self for c in ctx_stack())
 
     def _say_done(self) -> None:

@@ -754,7 +754,7 @@ def _lookup_request(msg: dict) -> dict:
 def _with_replay(resp: dict, replay: dict | None) -> dict:
     """A lookup reply made ready for own-update replay: the source and since it answers about, and
     each table's signs (what the PS applies of this batch's update names rows by sign)."""
-    if replay is not None and "replay" in resp:
+    if replay is not None:
         resp["replay"].update(replay)
         for table, extra in zip(resp["tables"], resp["replay"]["tables"]):
             table["signs"] = extra["signs"]
