@@ -297,6 +297,34 @@ def test_staleness_bounds_batches_looked_up_but_not_applied(persia_env, stalenes
         assert seen[:warmup] == [1] * warmup  # the ramp: synchronous for the first steps
 
 
+def test_an_update_whose_accounting_fails_in_the_flusher_fails_the_next_wait(persia_env):
+    """An update sent alone (the outbox's flusher: nobody waits for it) whose accounting raises
+    after the call: the error reaches the training thread at its next wait. Before, its future was
+    settled before the accounting ran, and the flusher dropped the exception (a staleness permit
+    released into the wrong bound raised there, unseen)."""
+    with cluster():
+        errors: list = []
+        sender = send_in_thread([make_batch(i) for i in range(4)], errors)
+        model = Model()
+        with adagrad_ctx(model) as ctx:
+            loop = iter(DataLoader(StreamingDataset(4), embedding_staleness=4))
+            train_step(ctx, next(loop))
+            real = ctx._applied
+
+            def broken(update, passes_permit=False):
+                real(update, passes_permit)
+                raise RuntimeError("accounting broke")
+
+            ctx._applied = broken
+            with pytest.raises(PersiaError, match="accounting broke"):
+                ctx.wait_for_pending_updates()
+            ctx._applied = real
+            for batch in loop:
+                train_step(ctx, batch)
+        sender.join(30)
+        assert not errors
+
+
 def test_synchronous_reference_mode_is_deterministic(persia_env):
     def run():
         torch.manual_seed(0)

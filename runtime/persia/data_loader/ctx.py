@@ -202,7 +202,6 @@ class DataCtx(BaseCtx):
                 "loader": self.replica_index,
                 "loader_size": self.replica_size,  # recorded in checkpoints, checked on resume
                 "session": self._stream.session,
-                "epoch": self._stream.epoch,
                 "ref": ref,
                 "worker": worker,
                 "requires_grad": persia_batch.requires_grad,
@@ -215,6 +214,8 @@ class DataCtx(BaseCtx):
             raise
         held = HeldBatch(worker, rank, batch_id, ref, ids, dense, persia_batch, held_at=time.monotonic())
         persia_batch.batch_id = batch_id  # held or sent: this object is not sent twice
+        # held or sent from here on: acknowledged or failed in the epoch it is stamped with
+        dense["epoch"] = self._stream.stamp()
         with self._sending:
             if self._groups.size > 1 and not fits_group(held, self._groups.size, self.bus.max_payload):
                 # too large to share a message: whatever waits for its worker and rank goes first
@@ -333,7 +334,10 @@ class DataCtx(BaseCtx):
                                     unsent=f"{len(group)} batch{'es' if len(group) > 1 else ''} ({what})"),
                 return_exceptions=True)
 
-        id_leg, dense_leg = self.bus.run(both_legs())
+        try:
+            id_leg, dense_leg = self.bus.run(both_legs())
+        except BaseException as exc:  # the bus itself (closed, its loop gone): nothing known delivered
+            id_leg = dense_leg = exc
         self._metrics.observe("data_loader_send_time_cost_sec", time.monotonic() - started)
         if isinstance(dense_leg, BaseException):
             # not delivered: their ID features wait on the worker for nobody (handed back), and
@@ -343,9 +347,10 @@ class DataCtx(BaseCtx):
             for b in group:
                 b.batch.batch_id = None
                 self._failed(leg, b.batch_id, dense_leg)
+                self._stream.settled(b.dense["epoch"])  # its epoch's end need not wait for it
             raise dense_leg
-        for _ in group:  # the NN rank has them all: each is in its count, trained or failed there
-            self._stream.acknowledged(rank)
+        for b in group:  # the NN rank has them all: each is in its count, trained or failed there
+            self._stream.acknowledged(rank, b.dense["epoch"])
         self._metrics.inc("data_loader_batches_sent", len(group))
         lost = id_leg_failures(group, id_leg)
         if not lost:

@@ -26,6 +26,7 @@ from persia.nn_worker import embedding_tensors
 from persia.nn_worker.checkpoint import EmbeddingCheckpoints
 from persia.nn_worker.denormals import FlushDenormals
 from persia.nn_worker.embedding_config import EmbeddingConfig, get_default_embedding_config
+from persia.nn_worker.staleness import RampedStalenessBound, staleness_bound
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 from persia.messages import NoPayload
 from persia.rpc import Client
@@ -91,7 +92,7 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         self._dump_error: BaseException | None = None
         self._load_thread: threading.Thread | None = None
         self._load_error: BaseException | None = None
-        self._permits: threading.BoundedSemaphore | None = None
+        self._permits: RampedStalenessBound | None = None  # _training_permits
         self._nn_info_sub = None
         self._live_loaders: weakref.WeakSet = weakref.WeakSet()  # DataLoader loops, closed at exit
         self._spans: list = []
@@ -221,8 +222,19 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
             return [f.result() for f in futs]
 
     # -- lookups ----------------------------------------------------------------------------------
-    def _attach_permits(self, permits) -> None:
-        self._permits = permits
+    def _training_permits(self, target: int | None, warmup_steps: int, step: int,
+                          cond: threading.Condition | None) -> RampedStalenessBound | None:
+        """The context's staleness permits, bounded as a new training loop asks (None: no bound
+        yet, and this loop asks for none). One for the context's life, not one per loop: the last
+        loop's updates not applied yet hold permits, released here when they are, and the new
+        loop's lookups wait for them as its bound says. A bound per loop got those releases
+        without having given the permits out: it raised (silently, from the flusher), or counted
+        free a permit that one of its own lookups held."""
+        if self._permits is None:
+            self._permits = staleness_bound(target, warmup_steps, step, cond)
+        else:
+            self._permits.retarget(target, warmup_steps, step)
+        return self._permits
 
     def _call_worker(self, worker: int, method: str, request: dict, deadline_s: float = 600.0) -> Any:
         """``method`` on embedding worker ``worker``. Asked again while it answers that too many

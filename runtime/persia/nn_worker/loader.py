@@ -33,7 +33,7 @@ from persia.nn_worker.datasets import IterableDatasetBase, StreamingDataset
 from persia.nn_worker.lookahead import Lookahead
 from persia.nn_worker.lookup_group import group_under_bound
 from persia.nn_worker.reorder import _reordered
-from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS, staleness_bound, warmup_steps_setting
+from persia.nn_worker.staleness import DEFAULT_WARMUP_STEPS, warmup_steps_setting
 from persia.nn_worker.training_batch import PersiaTrainingBatch
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,12 @@ class _LoaderIterator:
         warmup = loader.staleness_warmup_steps
         if warmup is None:
             warmup = ctx._default_warmup_steps() if hasattr(ctx, "_default_warmup_steps") else DEFAULT_WARMUP_STEPS
-        self._permits = (  # the ramp counts the context's steps (a new epoch does not restart it)
-            staleness_bound(loader.embedding_staleness, warmup, self._steps(),
-                            cond=ctx._permit_condition() if hasattr(ctx, "_permit_condition") else None)
+        self._permits = (  # the context's, for every loop (the ramp counts its steps: a new epoch does not restart it)
+            ctx._training_permits(loader.embedding_staleness, warmup, self._steps(),
+                                  cond=ctx._permit_condition() if hasattr(ctx, "_permit_condition") else None)
             if (train and self.streaming)
             else None
         )
-        ctx._attach_permits(self._permits)
         if train and loader.reproducible and getattr(ctx, "_thread_tuner", None) is not None:
             ctx._thread_tuner.hold("reproducible mode")
         # Just-in-time lookups for training streams; eval/infer datasets prefetch freely.
@@ -484,8 +483,7 @@ class _LoaderIterator:
 
     def _discard(self, batch: PersiaTrainingBatch) -> None:
         """Hand back a looked-up batch nobody trains: its ref on the embedding worker, and its
-        staleness permit to this pipeline's permits (the context's may be a newer loop's by now:
-        released there, one was counted free that this loop's batch had taken, or it raised)."""
+        staleness permit."""
         if batch.ref is not None:
             self.ctx._release_refs([{"worker": batch.worker, "ref": batch.ref}])
         if batch.holds_permit and self._permits is not None:

@@ -96,6 +96,14 @@ class RampedStalenessBound:
                     # and a notify every step would wake the dispatcher and flusher for nothing
                     self.cond.notify_all()
 
+    def retarget(self, target: int | None, warmup_steps: int, step: int) -> None:
+        """A new training loop's bound (its ``embedding_staleness`` and warm-up) over the same
+        permits: those still held (updates of the last loop not applied yet) keep counting."""
+        ramped_bound(step, target, warmup_steps)  # validates the three
+        with self.cond:
+            self.target, self.warmup_steps, self.step = target, warmup_steps, max(step, self.step)
+            self.cond.notify_all()  # the bound may have grown
+
     def _free(self) -> bool:
         limit = self.limit
         return limit is None or self.held < limit

@@ -505,20 +505,26 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         permits follow the call (``passes``: the updates whose permits go on to new lookups)."""
         passing = [] if passes is None else [passes] if isinstance(passes, PendingUpdate) else list(passes)
         fut = fut or self._track()
+        error: BaseException | None = None
         try:
-            resp = self._call_worker(worker, method, request)
+            return self._call_worker(worker, method, request)
         except BaseException as exc:
-            if answered_with(exc, BatchLost):
-                fut.set_result(None)  # the lookup's ID features were lost; the worker applied the updates
-            else:
-                fut.set_exception(exc)
+            # BatchLost: the lookup's ID features were lost; the worker applied the updates
+            error = None if answered_with(exc, BatchLost) else exc
             raise
-        else:
-            fut.set_result(None)
         finally:
-            for u in updates:
-                self._applied(u, passes_permit=any(u is p for p in passing))
-        return resp
+            try:
+                for u in updates:
+                    self._applied(u, passes_permit=any(u is p for p in passing))
+            except BaseException as exc:
+                # the future too: nobody waits for the flusher's sends, and this must not vanish
+                error = error or exc
+                raise
+            finally:
+                if error is None:
+                    fut.set_result(None)
+                else:
+                    fut.set_exception(error)
 
     def _update_now(self, update: PendingUpdate, passes_permit: bool = False, fut: Future | None = None) -> None:
         """Send one update on its own (blocking) and account for it."""
