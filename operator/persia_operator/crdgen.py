@@ -106,6 +106,9 @@ def status_schema() -> dict[str, Any]:
     conditions = schema["properties"]["conditions"]
     conditions["x-kubernetes-list-type"] = "map"
     conditions["x-kubernetes-list-map-keys"] = ["type"]
+    refused = schema["properties"]["refusedWrites"]  # one per child (refusals.py)
+    refused["x-kubernetes-list-type"] = "map"
+    refused["x-kubernetes-list-map-keys"] = ["kind", "name"]
     return schema
 
 

@@ -56,6 +56,19 @@ class CheckpointStatus(_Status):
     observed_time: str | None = Field(None, description="When the operator last heard of it.")
 
 
+class RefusedWrite(_Status):
+    """A write to a child the API server refused for good, held back until retryAt."""
+
+    kind: str
+    name: str
+    action: Literal["create", "patch"] = Field("create", description="create (a PodDisruptionBudget), patch (a resize).")
+    code: int | None = Field(None, description="The API server's HTTP status.")
+    message: str = Field("", description="The API server's answer.")
+    fingerprint: str = Field("", description="Hash of what was sent: a changed write is tried at once.")
+    tries: int = Field(1, description="Refusals in a row; the backoff doubles with each (1 min to 1 h).")
+    retry_at: str = Field(description="When it is tried again (RFC 3339).")
+
+
 class JobStatus(_Status):
     observed_generation: int | None = None
     phase: str | None = Field(
@@ -87,6 +100,11 @@ class JobStatus(_Status):
     conditions: list[Condition] = Field(default_factory=list)
     accepted_spec: dict[str, Any] | None = Field(
         None, description="The spec the job runs (spec changes that are rejected stay out)."
+    )
+    refused_writes: list[RefusedWrite] | None = Field(
+        None,
+        description="Writes to children the API server refused for good, tried again with backoff "
+        "(kept here so that a restarted operator does not send them again at once).",
     )
 
     def condition(self, type_: str) -> Condition | None:

@@ -85,7 +85,8 @@ class Reconciler:
         self.clock = clock
         self.passes = 0
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
-        self._refusals: dict[tuple[str, str], dict[refusals.Key, refusals.Refusal]] = {}  # per job
+        # per job; also in its status.refusedWrites, read back when none is here
+        self._refusals: dict[tuple[str, str], dict[refusals.Key, refusals.Refusal]] = {}
         self._settled: dict[tuple[str, str], settled.Settled] = {}  # finished jobs a pass left as they were
         self.phases = opmetrics.PhaseCounts()
 
@@ -149,7 +150,8 @@ class Reconciler:
         nats = self._watch_nats(observed, spec, secrets)
         now = self.clock()
         key = (meta.namespace, meta.name)
-        refused = self._refusals.get(key, {})
+        # Kept in memory, and on the job for an operator that has none (restarted, a new leader).
+        refused = self._refusals[key] if key in self._refusals else refusals.from_status(observed.status.refused_writes)
         reported = _ordered(refusals.held_errors(refused, now))  # still named on the job while held back
         status = derive_status(observed, children, now, reported, nats=nats)
         planned = plan_actions(meta, status, children, now)
@@ -169,10 +171,12 @@ class Reconciler:
         else:
             self._refusals.pop(key, None)
         errors = _ordered([*held, *errors])
-        if errors != reported:
-            failed = derive_status(observed, children, now, errors, nats=nats)
-            written = await self._write_status(written, status, failed, logger)
-            status = failed
+        final = derive_status(observed, children, now, errors, nats=nats) if errors != reported else status
+        # The refusals go on the job in this second write (only when they changed, once per
+        # backoff window): a restarted operator reads them back instead of trying each once more.
+        final = final.model_copy(update={"refused_writes": refusals.to_status(now_refused)})
+        written = await self._write_status(written, status, final, logger)
+        status = final
         await self._post_events(written, refusals.refusal_events(refused, now_refused), logger)
         if status.attempt != observed.status.attempt and status.is_true(C.COND_RESTARTING):
             opmetrics.RESTARTS.labels(reason=status.condition(C.COND_RESTARTING).reason).inc()  # type: ignore[union-attr]

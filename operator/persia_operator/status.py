@@ -284,8 +284,7 @@ class _Pass:
         patches = [e for e in errors if e.action == "patch"]
         errors = [e for e in errors if e.kind not in AUXILIARY_KINDS and e.action == "create"]
         note = "; ".join([*(f"{e.kind}/{e.name} not created ({e.message}): the job runs without it" for e in auxiliary),
-                          *(f"{e.kind}/{e.name} not changed ({e.message}): it runs as it was, retried next pass"
-                            for e in patches)])  # fmt: skip
+                          *(f"{e.kind}/{e.name} not changed ({e.message}): it runs as it was" for e in patches)])
         permanent = [e for e in errors if e.permanent]
         if permanent:
             self.cond(C.COND_FAILED, True, "ChildCreateFailed",
