@@ -72,6 +72,14 @@ class ServersMisplaced(PersiaError):
     grpc_status = "FAILED_PRECONDITION"
 
 
+class EmbeddingLayoutMismatch(ServersMisplaced):
+    """The PS replicas serve a checkpoint trained with another embedding layout than this
+    worker's ``embedding_config.yml`` (a slot's index prefix, dim or hash stacking differs: slots
+    listed in another order, another ``feature_index_prefix_bit`` or ``feature_groups``). Every
+    lookup would miss and read zeros, so nothing is looked up until the configs match. A
+    ``ServersMisplaced``: a misconfiguration that waiting does not heal (FAILED_PRECONDITION)."""
+
+
 def answered_with(exc: BaseException, error: type[PersiaError]) -> bool:
     """Whether ``exc`` is a peer's answer carrying ``error`` (it travels as its ``grpc_status``)."""
     return isinstance(exc, RemoteError) and exc.kind == getattr(error, "grpc_status", None)

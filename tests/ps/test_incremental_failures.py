@@ -255,3 +255,78 @@ def test_a_packet_a_killed_writer_left_half_written_is_removed_once_it_is_old(tm
         assert not abandoned_packet(None, False, now, grace)
     finally:
         dumper.close()
+
+
+def _two_packets(directory):
+    """A packet with rows of dims 3 and 4 (signs 0..9), then a later one (signs 100..109, dim 4);
+    returns them, oldest first."""
+    store, dumper = _trainer(directory, buffer_size=10**6)
+    first, later = np.arange(10, dtype=np.uint64), np.arange(100, 110, dtype=np.uint64)
+    try:
+        _train(store, first, dim=3)
+        _train(store, first, dim=4)
+        dumper.flush()
+        _train(store, later)
+        dumper.flush()
+    finally:
+        dumper.close()
+    packets = complete_packets(directory)
+    assert len(packets) == 2
+    return packets, first, later
+
+
+def _edit_manifest(packet, edit) -> None:
+    import json
+
+    from persia.embedding_ps.incremental import INC_DONE_MARKER
+
+    manifest = json.loads((packet / INC_DONE_MARKER).read_text())
+    edit(manifest)
+    (packet / INC_DONE_MARKER).write_text(json.dumps(manifest))
+
+
+def _applies_later_packets_only(directory, caplog, reason: str, first, later):
+    served = EmbeddingStore(10_000, 2)
+    applier = IncrementalApplier(served, directory, 0, 1)
+    with caplog.at_level(logging.ERROR, logger=LOGGER):
+        assert applier.poll() == 10  # the later packet's rows; the bad one is rejected, not raised
+        assert applier.poll() == 0  # and not retried
+    assert (applier.packets_applied, applier.packets_rejected) == (1, 1)
+    assert served.contains(later, 4).all()
+    # validated whole before any row was written: none of the bad packet's dims is half applied
+    assert not served.contains(first, 3).any() and not served.contains(first, 4).any()
+    assert any("rejected" in r.getMessage() and reason in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_packet_listing_a_file_twice_is_rejected_and_later_packets_still_apply(tmp_path, caplog):
+    """A manifest listing a file twice (duplicate signs: store.upsert raised ValueError, which
+    poll did not catch) stopped every later packet for ever, after applying its first dim."""
+    (bad, _), first, later = _two_packets(tmp_path)
+
+    def twice(manifest):  # dim 3 first, then dim 4 listed twice
+        files = sorted(manifest["files"], key=lambda e: e["dim"])
+        manifest["files"] = files + [e for e in files if e["dim"] == 4]
+
+    _edit_manifest(bad, twice)
+    _applies_later_packets_only(tmp_path, caplog, "lists dim_4_part_0.inc twice", first, later)
+
+
+def test_a_packet_whose_files_overlap_is_rejected_before_any_dim_is_applied(tmp_path, caplog):
+    import shutil
+
+    (bad, _), first, later = _two_packets(tmp_path)
+
+    def overlap(manifest):  # the dim-4 file again under another name: every sign twice
+        files = sorted(manifest["files"], key=lambda e: e["dim"])
+        shutil.copy(bad / files[-1]["file"], bad / "dim_4_part_9.inc")
+        manifest["files"] = files + [dict(files[-1], file="dim_4_part_9.inc")]
+
+    _edit_manifest(bad, overlap)
+    _applies_later_packets_only(tmp_path, caplog, "rows of dim 4 list a sign twice", first, later)
+
+
+def test_any_failure_of_a_packet_rejects_it_alone(tmp_path, caplog):
+    """Not only CheckpointError/OSError: a manifest field of the wrong type raised out of poll."""
+    (bad, _), first, later = _two_packets(tmp_path)
+    _edit_manifest(bad, lambda m: m.update(created_unix="yesterday"))
+    _applies_later_packets_only(tmp_path, caplog, "created_unix is not a number", first, later)

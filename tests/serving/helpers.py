@@ -61,12 +61,14 @@ def dump(model: torch.nn.Module, directory: Path) -> None:
 
 
 @contextmanager
-def serving(checkpoint: Path, model: Path, ps_config: dict | None = None, **serve):
-    """Inference PS + embedding worker (no NATS) + ModelServer, all on loopback in this process."""
+def serving(checkpoint: Path, model: Path, ps_config: dict | None = None, embedding_config: dict | None = None,
+            **serve):
+    """Inference PS + embedding worker (no NATS) + ModelServer, all on loopback in this process
+    (``embedding_config``: the worker's, default the training's ``EMBEDDING_CONFIG``)."""
     gc = load_global_config_from_dict(dict(
         GLOBAL_CONFIG, common_config={"job_type": "Infer", "infer_config": {"embedding_checkpoint": str(checkpoint)}},
         embedding_parameter_server_config=dict(GLOBAL_CONFIG["embedding_parameter_server_config"], **(ps_config or {}))))
-    ec = load_embedding_config_from_dict(EMBEDDING_CONFIG)
+    ec = load_embedding_config_from_dict(embedding_config or EMBEDDING_CONFIG)
     ps = EmbeddingParameterServer(gc, 0, 1, port=0, host="127.0.0.1")
     worker = EmbeddingWorker(ec, gc, 0, 1, port=0, host="127.0.0.1", ps_addresses=[ps.address])
     server = None

@@ -289,12 +289,110 @@ def dump_store(store: ShardedRows, directory: Path, replica_index: int, num_work
     return rows
 
 
-def mark_checkpoint_complete(directory: Path, replica_size: int) -> None:
-    """Top-level done marker, once every replica's own marker exists (the trainer's last step)."""
+def mark_checkpoint_complete(directory: Path, replica_size: int, embedding_layout: dict | None = None) -> None:
+    """Top-level done marker, once every replica's own marker exists (the trainer's last step);
+    with the :func:`embedding_layout` of the config the rows were trained with, when given."""
     for j in range(replica_size):
         read_manifest(Path(directory) / f"s{j}" / DONE_MARKER)
-    write_json_atomic(Path(directory) / DONE_MARKER, {"format": MANIFEST_FORMAT, "num_shards": replica_size,
-                                                      "datetime": _dt.datetime.now(_dt.timezone.utc).isoformat()})
+    marker = {"format": MANIFEST_FORMAT, "num_shards": replica_size,
+              "datetime": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    if embedding_layout is not None:
+        marker[LAYOUT_KEY] = embedding_layout
+    write_json_atomic(Path(directory) / DONE_MARKER, marker)
+
+
+# -- the embedding layout a checkpoint was trained with ---------------------------------------------
+# A row's sign is its ID with the slot's index prefix in the top feature_index_prefix_bit bits
+# (after hash stacking, when the slot has it), and its table is the slot's dim. The prefix follows
+# from feature_groups, the order of slots_config and feature_index_prefix_bit: an embedding config
+# that differs in any of them looks every ID up under other signs, and every lookup misses (zeros).
+# The trainer records this per slot in the top-level done marker; whoever loads the checkpoint with
+# an embedding config compares it with its own (layout_differences) and refuses a difference.
+LAYOUT_KEY = "embedding_layout"
+LAYOUT_VERSION = 1
+LAYOUT_FIELDS = ("index_prefix", "dim", "hash_stack_rounds", "hash_stack_embedding_size")
+
+
+def embedding_layout(schema: Any) -> dict:
+    """What decides where each slot's rows live and their shape, from a parsed
+    ``embedding_config.yml`` (``persia.config.EmbeddingSchema``): plain JSON data."""
+    return {
+        "version": LAYOUT_VERSION,
+        "feature_index_prefix_bit": int(schema.feature_index_prefix_bit),
+        "feature_groups": {g: list(members) for g, members in schema.feature_groups.items()},
+        "slots": {
+            name: {"index_prefix": int(slot.index_prefix), "dim": int(slot.dim), "group": slot.group,
+                   "hash_stack_rounds": int(slot.hash_stack_rounds),
+                   "hash_stack_embedding_size": int(slot.hash_stack_embedding_size)}
+            for name, slot in schema.slots.items()
+        },
+    }
+
+
+def checkpoint_layout(directory: Path) -> dict | None:
+    """The embedding layout recorded in a checkpoint's top-level done marker; None for a
+    checkpoint written before it was recorded (or without a top-level marker)."""
+    top = Path(directory) / DONE_MARKER
+    if not top.exists():
+        return None
+    return check_layout(read_manifest(top).get(LAYOUT_KEY), top)
+
+
+def check_layout(layout: Any, where: Any) -> dict | None:
+    """``layout`` if it is a well-formed layout record (None stays None); else a CheckpointError."""
+    if layout is None:
+        return None
+    slots = layout.get("slots") if isinstance(layout, dict) else None
+    if not isinstance(slots, dict) or not slots or not all(
+            isinstance(v, dict) and all(isinstance(v.get(f), int) for f in ("index_prefix", "dim"))
+            for v in slots.values()):
+        raise CheckpointError(f"{where}: malformed {LAYOUT_KEY} record (per slot an index_prefix and a dim)")
+    return layout
+
+
+def _shown(field: str, value: Any) -> str:
+    if field == "index_prefix" and isinstance(value, int):
+        return f"{value:#018x}"
+    return "absent" if value is None else repr(value)
+
+
+def layout_differences(recorded: dict, current: dict) -> tuple[str | None, list[str]]:
+    """(why ``current`` cannot use rows laid out as ``recorded``, or None; notes). Every slot in
+    both must have the same index prefix, dim and hash stacking; the first that does not is named
+    with both values. A slot on one side only is a note (a slot added to the config starts with
+    no rows, as in training from scratch), unless no slot is on both sides."""
+    rs, cs = recorded["slots"], current["slots"]
+    common = [name for name in rs if name in cs]
+    notes = [f"slot {n!r} is in the embedding config but not in the checkpoint: it has no rows there"
+             for n in cs if n not in rs]
+    notes += [f"slot {n!r} is in the checkpoint but not in the embedding config" for n in rs if n not in cs]
+    if not common:
+        return (f"the checkpoint's slots {list(rs)} and the embedding config's {list(cs)} have none in common",
+                notes)
+    for name in common:
+        for field in LAYOUT_FIELDS:
+            a, b = rs[name].get(field), cs[name].get(field)
+            if field not in rs[name] and field not in ("index_prefix", "dim"):
+                continue  # a record without the field (none yet): nothing to compare
+            if a != b:
+                why = (f"slot {name!r}: {field} {_shown(field, a)} in the checkpoint, {_shown(field, b)} in "
+                       f"the embedding config")
+                if field == "index_prefix":
+                    why += "; " + _prefix_hint(recorded, current)
+                return why, notes
+    return None, notes
+
+
+def _prefix_hint(recorded: dict, current: dict) -> str:
+    """Which setting moved the prefixes: the prefix bit, the groups, or the order of the slots."""
+    bits = (recorded.get("feature_index_prefix_bit"), current.get("feature_index_prefix_bit"))
+    if bits[0] != bits[1]:
+        return f"feature_index_prefix_bit is {bits[0]} in the checkpoint, {bits[1]} in the embedding config"
+    groups = (recorded.get("feature_groups"), current.get("feature_groups"))
+    if groups[0] != groups[1]:
+        return f"feature_groups are {groups[0]} in the checkpoint, {groups[1]} in the embedding config"
+    return (f"slots_config lists the slots as {list(recorded['slots'])} in the checkpoint, "
+            f"{list(current['slots'])} in the embedding config (an ungrouped slot's prefix is its position)")
 
 
 # -- load ------------------------------------------------------------------------------------------

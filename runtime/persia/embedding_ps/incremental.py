@@ -359,9 +359,13 @@ def read_packet(packet: Path, replica_index: int, replica_size: int) -> tuple[fl
     if manifest.get("format") != INC_FORMAT or not isinstance(manifest.get("files"), list):
         raise ckpt.CheckpointError(f"{packet}: not an incremental packet manifest ({manifest.get('format')!r})")
     parts = []
+    listed: set[str] = set()
     for entry in manifest["files"]:
         if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or "/" in entry["file"]:
             raise ckpt.CheckpointError(f"{packet}: malformed file entry {entry!r}")
+        if entry["file"] in listed:
+            raise ckpt.CheckpointError(f"{packet}: the manifest lists {entry['file']} twice")
+        listed.add(entry["file"])
         path = packet / entry["file"]
         header, part = ckpt.read_rows_file(path, entry)
         if header.kind != ckpt.KIND_INCREMENTAL:
@@ -370,14 +374,24 @@ def read_packet(packet: Path, replica_index: int, replica_size: int) -> tuple[fl
             mine = shard_of(part.signs, replica_size, PS_SHARD_SALT) == replica_index
             part = ckpt.RowsPart(part.dim, part.state_code, part.signs[mine], part.weights[mine], part.state[mine])
         parts.append((path, part))
-    return float(manifest.get("created_unix", 0.0)), ckpt.merge_parts(parts)
+    by_dim = ckpt.merge_parts(parts)
+    for dim, part in by_dim.items():  # what store.upsert would refuse, refused before any dim is applied
+        if part.signs.shape[0] and np.unique(part.signs).shape[0] != part.signs.shape[0]:
+            raise ckpt.CheckpointError(f"{packet}: rows of dim {dim} list a sign twice (its files overlap)")
+    created = manifest.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise ckpt.CheckpointError(f"{packet}: created_unix is not a number: {created!r}")
+    return float(created), by_dim
 
 
 class IncrementalApplier:
     """Inference side: applies packets it has not applied yet to a store, oldest first.
 
     Call :meth:`poll` (or :meth:`start` a thread polling every ``interval`` seconds). A packet that
-    cannot be read is logged, counted in ``rejected`` and not retried. A missing
+    cannot be read, or fails in any way, is logged with the reason, counted in ``rejected`` and not
+    retried; the packets after it are applied as usual. A packet is read and validated whole (every
+    file, no sign twice in a dim) before any of its rows is written, so only an unexpected store
+    failure can leave one partly applied (logged with the rows written). A missing
     ``incremental_dir`` (a typo, a volume mounted elsewhere) would leave the served embeddings
     frozen without a word: it is logged as an error when first seen missing (again only after it
     has appeared meanwhile) and ``dir_missing`` says so until it exists.
@@ -416,15 +430,26 @@ class IncrementalApplier:
         for packet in self.pending():
             key = str(packet.relative_to(self.directory))
             try:
+                # read and validated whole (every file, every dim) before any row is written
                 created, by_dim = read_packet(packet, self.replica_index, self.replica_size)
-            except (ckpt.CheckpointError, OSError) as exc:
-                log.error("incremental packet %s rejected: %s", packet, exc)
+            except Exception as exc:  # noqa: BLE001 - any failure rejects this packet, not the later ones
+                log.error("incremental packet %s rejected (nothing applied): %s: %s", packet, type(exc).__name__, exc)
                 self.rejected.add(key)
                 self.packets_rejected += 1
                 continue
-            for dim, part in by_dim.items():
-                if part.signs.shape[0]:
-                    written += self.store.upsert(part.signs, dim, part.weights, part.state, part.state_code)
+            done = 0
+            try:
+                for dim, part in by_dim.items():
+                    if part.signs.shape[0]:
+                        done += self.store.upsert(part.signs, dim, part.weights, part.state, part.state_code)
+            except Exception as exc:  # noqa: BLE001 - not retried: every later poll would fail on it
+                written += done
+                log.error("incremental packet %s rejected while applied (%d of its rows already written): %s: %s",
+                          packet, done, type(exc).__name__, exc)
+                self.rejected.add(key)
+                self.packets_rejected += 1
+                continue
+            written += done
             self.applied.add(key)
             self.packets_applied += 1
             if created:

@@ -15,6 +15,7 @@ import numpy as np
 from persia import messages as M
 from persia import rpc
 from persia.bus import NatsBus, subject
+from persia.embedding_ps.checkpoint import checkpoint_layout
 from persia.embedding_ps.optimizers import optimizer_from_wire
 from persia.embedding_ps.store import EmbeddingStore, HyperParameters
 from persia.metrics import Metrics, register_stats, start_exporter
@@ -81,10 +82,20 @@ class EmbeddingParameterServer:
             from persia.embedding_ps.incremental import poll_interval_s
 
             poll_s = poll_interval_s()  # a bad PERSIA_INCREMENTAL_POLL_SECONDS fails before loading or serving
+        # the checkpoint an inference PS loaded at start and the embedding layout it records
+        # (Stats: its embedding workers compare it with their embedding_config.yml, checkpoint.py)
+        self.loaded_checkpoint: dict | None = None
         if infer and ic.embedding_checkpoint:
             # before the port opens: a lookup during the load would read the rows not loaded yet as
             # zeros, and the pod's readiness (its port) would say it serves
             self._load_dir(Path(ic.embedding_checkpoint))  # from the config, not the network
+            self.loaded_checkpoint = {"dir": str(ic.embedding_checkpoint),
+                                      "embedding_layout": checkpoint_layout(Path(ic.embedding_checkpoint))}
+            if self.loaded_checkpoint["embedding_layout"] is None:
+                log.warning("PS %d: checkpoint %s records no embedding layout (written before it was recorded): "
+                            "nothing checks that the embedding workers' embedding_config.yml is the one it was "
+                            "trained with (another slot order reads every ID as a miss)", replica_index,
+                            ic.embedding_checkpoint)
         self._server, self.port = rpc.serve(SERVICE, self.methods, port, host=host, max_workers=8)
         self.address = f"{advertise_host or host}:{self.port}"
         if infer:
@@ -246,6 +257,9 @@ class EmbeddingParameterServer:
         out = dict(self.store.stats())
         out["replica_index"] = self.replica_index
         out["replica_size"] = self.replica_size
+        loaded = getattr(self, "loaded_checkpoint", None)
+        if loaded is not None:  # not a number: not exported as a metric
+            out["loaded_checkpoint"] = loaded
         applier, dumper = getattr(self, "applier", None), getattr(self, "incremental", None)  # early scrapes
         if applier is not None:  # inference PS: how fresh the served embeddings are
             out["incremental_packets_applied"] = applier.packets_applied

@@ -15,7 +15,9 @@ from persia.bus import BUSY, NatsBus, subject
 from persia.embedding_worker import pipeline
 from persia.embedding_worker.buffer import ExpiringBuffer
 from persia.embedding_worker.colocated import InProcessPs
-from persia.errors import INPUT_ERRORS, BatchLost, DiscoveryTimeout, ServersMisplaced, TooManyWaiting
+from persia.embedding_ps.checkpoint import embedding_layout, layout_differences
+from persia.errors import (INPUT_ERRORS, BatchLost, DiscoveryTimeout, EmbeddingLayoutMismatch, ServersMisplaced,
+                           TooManyWaiting)
 from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
@@ -112,6 +114,10 @@ class EmbeddingWorker:
         self.replica_size = replica_size
         self.slots = slot_specs(embedding_config)
         self.prefix_bit = embedding_config.feature_index_prefix_bit
+        # where each slot's rows live (checkpoint.embedding_layout): recorded in the checkpoints the
+        # trainer dumps, compared with the one an inference PS loaded before its first lookup
+        self.layout = embedding_layout(embedding_config)
+        self._layout_noted: set[str] = set()
         wc = global_config.embedding_worker_config
         # Bounded per data loader and in total: a sender that varies its loader id gets "busy" too.
         # Remembers the refs that left it, so that a lookup of one fails at once instead of waiting.
@@ -166,7 +172,7 @@ class EmbeddingWorker:
         me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
         # the slot names too: a data loader refuses a batch with another ID feature when it is sent
         # (DataCtx.send_data), not later from whichever send or thread reaches this worker with it
-        info = {**me, "slots": list(self.slots)}
+        info = {**me, "slots": list(self.slots), "layout": self.layout}
         bus.serve(subject("ew", "address", self.replica_index), lambda _o: me, blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "info"), lambda _o: info, queue="ew", blocking=False, schema=M.NoPayload)
         bus.serve(subject("ew", "forward", self.replica_index), self.on_forward, blocking=False, schema=M.Forward)
@@ -465,14 +471,46 @@ class EmbeddingWorker:
         problem = servers_mismatch([ps.address for ps in self.ps], answers)
         if problem is not None:
             raise ServersMisplaced(problem)
+        for i, answer in enumerate(answers):
+            self._check_layout(i, answer.get("loaded_checkpoint"))
         self._ps_checked = True
+
+    def _check_layout(self, replica: int, loaded: dict | None) -> None:
+        """Raises ``EmbeddingLayoutMismatch`` when PS ``replica`` loaded a checkpoint trained with
+        another embedding layout than this worker's config (every lookup would miss: zeros). A
+        checkpoint that records none (older) and slots on one side only are logged once."""
+        if not loaded:
+            return
+        recorded = loaded.get("embedding_layout")
+        if recorded is None:
+            self._note_once(f"PS replica {replica} serves checkpoint {loaded.get('dir')}, which records no "
+                            f"embedding layout (written before it was recorded): not checked against this "
+                            f"embedding_config.yml")
+            return
+        why, notes = layout_differences(recorded, self.layout)
+        if why is not None:
+            raise EmbeddingLayoutMismatch(
+                f"PS replica {replica} serves checkpoint {loaded.get('dir')}, trained with another embedding "
+                f"layout than this embedding_config.yml: {why}; every lookup would miss and read zeros. Serve it "
+                f"with the embedding_config.yml it was trained with")
+        for note in notes:
+            self._note_once(f"checkpoint {loaded.get('dir')}: {note}")
+
+    def _note_once(self, message: str) -> None:
+        if message not in self._layout_noted:
+            self._layout_noted.add(message)
+            log.warning("%s", message)
 
     def ready(self) -> dict:
         """Whether lookups can be answered: every PS replica answers (an inference PS opens its port
         once its checkpoint is loaded) and is the replica its position says. What the model
-        server's readiness and ``InferCtx.wait_for_serving`` ask (PERSIA's ``ready_for_serving``)."""
+        server's readiness and ``InferCtx.wait_for_serving`` ask (PERSIA's ``ready_for_serving``).
+        ``misplaced``: a misconfiguration that waiting does not heal (the static PS list, or with
+        ``layout_mismatch`` a checkpoint trained with another embedding config)."""
         try:
             self._check_servers()
+        except EmbeddingLayoutMismatch as exc:
+            return {"ready": False, "misplaced": True, "layout_mismatch": True, "why": str(exc)}
         except ServersMisplaced as exc:
             return {"ready": False, "misplaced": True, "why": str(exc)}
         except Exception as exc:  # noqa: BLE001 - a PS not up yet (loading) is an answer here, not a failure

@@ -16,7 +16,13 @@ from typing import Any, Callable
 import torch
 
 from persia.bus import subject
-from persia.embedding_ps.checkpoint import write_json_atomic
+from persia.embedding_ps.checkpoint import (
+    LAYOUT_KEY,
+    CheckpointError,
+    checkpoint_layout,
+    layout_differences,
+    write_json_atomic,
+)
 from persia.errors import PersiaError, RemoteError
 
 log = logging.getLogger(__name__)
@@ -24,6 +30,7 @@ log = logging.getLogger(__name__)
 OPERATION_DEADLINE_S = 3600.0  # a PS dump or stage of a large table
 STATUS_POLL_S = (0.02, 1.0)  # first and longest wait between two ps.status polls
 WAITING_REPORT_S = 30.0
+LAYOUT_DEADLINE_S = 60.0  # asking an embedding worker for its embedding layout (ew.info)
 
 
 class PsRestarted(PersiaError):
@@ -88,14 +95,57 @@ class EmbeddingCheckpoints:
             failed = next((r for r in results if isinstance(r, BaseException)), None)
             if failed is not None:
                 raise failed
-            write_json_atomic(directory / EMBEDDING_DUMP_DONE, {
+            marker = {
                 "format": CHECKPOINT_FORMAT,
                 "num_shards": len(results),
                 "rows": [r["rows"] for r in results],
                 "datetime": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-            })
+            }
+            layout = self._embedding_layout("dump")
+            if layout is not None:  # where each slot's rows live: checked by whoever loads them
+                marker[LAYOUT_KEY] = layout
+            write_json_atomic(directory / EMBEDDING_DUMP_DONE, marker)
 
         self._run_maybe_async(run, blocking, "dump")
+
+    def _embedding_layout(self, purpose: str) -> dict | None:
+        """The embedding layout of the embedding workers' ``embedding_config.yml`` (``ew.info``;
+        ``checkpoint.embedding_layout``); None, with a warning, when no worker says."""
+        try:
+            info = self.bus.request_retry(subject("ew", "info"), None, deadline_s=LAYOUT_DEADLINE_S, timeout=2.0,
+                                          what="the embedding workers' embedding layout")
+            layout = info.get("layout") if isinstance(info, dict) else None
+        except Exception as exc:  # noqa: BLE001 - the layout is a check, the dump or load goes on
+            log.warning("no embedding worker told its embedding layout (%s: %s): the %s is not checked against, "
+                        "nor records, the embedding config", type(exc).__name__, exc, purpose)
+            return None
+        if layout is None:
+            log.warning("the embedding workers do not tell their embedding layout: the %s is not checked against, "
+                        "nor records, the embedding config", purpose)
+        return layout
+
+    def _check_embedding_layout(self, directory: Path) -> None:
+        """Raises ``CheckpointLoadError`` (nothing loaded) when ``directory`` was trained with
+        another embedding layout than the running embedding config: every row would sit under
+        signs no lookup asks for. A checkpoint that records none (older) is loaded with a warning."""
+        try:
+            recorded = checkpoint_layout(directory)
+        except CheckpointError as exc:
+            raise CheckpointLoadError(f"{directory}: {exc}; nothing was loaded") from None
+        if recorded is None:
+            log.warning("%s records no embedding layout (written before it was recorded): loaded without checking "
+                        "that this job's embedding_config.yml is the one it was trained with", directory)
+            return
+        current = self._embedding_layout("load")
+        if current is None:
+            return
+        why, notes = layout_differences(recorded, current)
+        if why is not None:
+            raise CheckpointLoadError(
+                f"{directory}: trained with another embedding layout than this job's embedding_config.yml: {why}; "
+                f"its rows would never be looked up (every ID a miss); nothing was loaded")
+        for note in notes:
+            log.warning("%s: %s", directory, note)
 
     def load_embedding(self, src_dir: str, blocking: bool = True) -> None:
         """Load every PS replica's rows, all or nothing (see ``_load_all_or_nothing``)."""
@@ -170,6 +220,7 @@ class EmbeddingCheckpoints:
         replica commits (a swap). Replaces PERSIA's load, where a refusing replica left the others,
         and the dense model, switched."""
         require_whole(directory)
+        self._check_embedding_layout(directory)
 
         def run():
             staged = self._ps_operation("stage", directory)

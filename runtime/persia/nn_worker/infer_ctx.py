@@ -6,7 +6,7 @@ import time
 
 from persia.embedding_worker.service import SERVICE as WORKER_SERVICE
 from persia.embedding_worker.service import discover
-from persia.errors import ServersMisplaced
+from persia.errors import EmbeddingLayoutMismatch, ServersMisplaced
 from persia.nn_worker.embedding_ctx import EmbeddingCtx, PreprocessMode
 from persia.rpc import Client
 
@@ -39,7 +39,8 @@ class InferCtx(EmbeddingCtx):
                 if answer["ready"]:
                     break
                 if answer["misplaced"]:
-                    raise ServersMisplaced(f"embedding worker {c.address}: {answer['why']}")
+                    error = EmbeddingLayoutMismatch if answer.get("layout_mismatch") else ServersMisplaced
+                    raise error(f"embedding worker {c.address}: {answer['why']}")
                 if time.monotonic() > end:
                     raise TimeoutError(f"embedding worker {c.address} not serving after {deadline_s:g} s: "
                                        f"{answer['why']}")
