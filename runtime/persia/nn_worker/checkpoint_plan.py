@@ -184,7 +184,7 @@ def merge_positions(per_rank: list[Mapping[int, int]]) -> dict[str, dict[str, in
 # What became of a batch the training loop took from the stream, and whether its loader's position
 # (how many of its batches to this rank a resumed loader skips) moves past it.
 CONSUMED = frozenset({"trained", "non_finite_loss", "non_finite_dense_grad", "non_finite_embedding_grad",
-                      "amp_overflow", "lost_id_features", "uneven_tail", "no_backward"})
+                      "amp_overflow", "lost_id_features", "uneven_tail", "no_backward", "backward_failed"})
 
 
 def advances_position(outcome: str) -> bool:

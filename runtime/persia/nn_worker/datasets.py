@@ -451,7 +451,7 @@ class StreamingDataset(IterableDatasetBase):
                     try:
                         taken = self._take_unless(stop, timeout_s)
                     except queue.Empty:
-                        raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:.0f}s ({self._waiting(state)})") from None
+                        raise TimeoutError(f"NN rank {rank}: no batch for {timeout_s:g} s ({self._waiting(state)})") from None
                     if taken is None:
                         return  # closed early: not the end of the stream (nor of this epoch)
                     kind, msg = taken

@@ -396,10 +396,13 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         whose last channel is the mask, as in PERSIA.
         """
         batch = persia_training_batch
-        requires_grad = batch.requires_grad and self.is_training
+        # a batch already trained (or let go) is only evaluated when forwarded again
+        requires_grad = batch.requires_grad and self.is_training and batch.settled is None
         built, batch.prepared = batch.prepared, None  # tensors built ahead serve one forward
         if built is None or built.requires_grad != requires_grad or (requires_grad and not torch.is_grad_enabled()):
             built = self._build_tensors(batch, requires_grad)
+        if requires_grad and self._current_batch is batch and batch.emb_leaves:
+            batch.earlier_leaves.append((batch.emb_leaves, batch.slot_used))  # its backward reads both
         batch.emb_leaves, batch.slot_used = built.slots.leaves, built.slots.used
         if requires_grad:
             self._current_batch = batch

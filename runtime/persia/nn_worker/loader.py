@@ -427,6 +427,9 @@ class _LoaderIterator:
             self._lookahead.record_step(now - self._last_next)  # the training step just done
         if self._permits is not None:
             self._permits.set_step(self._steps())
+            release_beyond = getattr(self.ctx, "_release_beyond", None)
+            if release_beyond is not None:  # TrainCtx: batches without a backward must not hold every permit
+                release_beyond(self._permits.limit)
         item = self._next_item()
         self._last_next = time.perf_counter()
         if self._lookahead is not None and item is not _END:
@@ -455,7 +458,7 @@ class _LoaderIterator:
                 fut = self._out.get(timeout=self.loader.timeout_s + 5)
             except queue.Empty:
                 self._finish()
-                raise TimeoutError(f"no looked-up batch within {self.loader.timeout_s:.0f}s") from None
+                raise TimeoutError(f"no looked-up batch within {self.loader.timeout_s:g} s (the DataLoader's timeout_ms)") from None
             if fut is _END:
                 return _END
             try:

@@ -243,6 +243,18 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         stale reads are corrected (they cost no AUC, and synchronous steps cost throughput)."""
         return 0 if self._own is not None else DEFAULT_WARMUP_STEPS
 
+    def clear_embeddings(self) -> None:
+        """Every PS replica's rows dropped, once this context's pending updates are applied (after
+        the clear they would only be dropped as updates of missing rows)."""
+        self._wait_for_updates()
+        super().clear_embeddings()
+
+    def load_embedding(self, src_dir: str, blocking: bool = True) -> None:
+        """Every PS replica's rows loaded, once this context's pending updates are applied: what
+        was saved is what is loaded, not that plus gradients of the rows it replaced."""
+        self._wait_for_updates()
+        super().load_embedding(src_dir, blocking)
+
     def _embeddings_replaced(self) -> None:
         """A PS that cleared or loaded its rows forgot which of our updates it applied (and the rows
         no longer hold them): our updates are numbered afresh, under a new source; batches looked
@@ -318,13 +330,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         self._raise_update_error()
         batch = self._current_batch
         if batch is None:
-            no_grad = self._forwarded_no_grad
-            if no_grad is not None:
-                raise PersiaError(
-                    f"backward(): the batch of the last forward (batch_id {no_grad.batch_id}) was sent with "
-                    "requires_grad=False: it takes no gradient; evaluate it (under torch.no_grad()) and call "
-                    "backward() for training batches only (batch.requires_grad)")
-            raise PersiaError("backward() without a training batch: call ctx.forward(batch) first")
+            raise PersiaError(self._why_no_training_batch())
         self._current_batch = None
         self._consumed(batch)
         # Backward runs before the loss is checked, so that every finiteness question of the step
@@ -333,14 +339,20 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         # With DDP every rank runs backward anyway (its all-reduce needs all of them); the
         # all-reduced dense gradients then tell every rank alike whether to step.
         scaled = self.grad_scaler.scale(loss) if self.grad_scaler is not None else loss
-        scaled.backward()
+        try:
+            scaled.backward()
+        except BaseException:
+            # the script may catch it and go on: this batch must not keep its permit and entry
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self._let_go(batch, "backward_failed")
+            raise
         grads = []  # one per dim: a row per distinct ID (autograd summed its occurrences)
         non_finite = False
-        for leaf in batch.emb_leaves:
-            if leaf.grad is None:
+        for grad in batch.embedding_grads():
+            if grad is None:
                 grads.append(None)
                 continue
-            g = leaf.grad.detach().to("cpu", torch.float32).numpy()
+            g = grad.detach().to("cpu", torch.float32).numpy()
             if not np.isfinite(g).all():
                 non_finite = True
             grads.append(g)
@@ -400,6 +412,34 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                     del handed[i]
                     break
 
+    def _why_no_training_batch(self) -> str:
+        """What backward() says when no training batch was forwarded since the last one."""
+        no_grad = self._forwarded_no_grad
+        if no_grad is None:
+            return "backward() without a training batch: call ctx.forward(batch) first"
+        if no_grad.settled is not None:
+            how = ("trained (its backward ran)" if no_grad.settled == "trained" else
+                   f"let go without being trained (counted {no_grad.settled})")
+            return (f"backward(): the batch of the last forward (batch_id {no_grad.batch_id}) was already {how}: "
+                    "a batch is trained once; forward it again only to evaluate it (under torch.no_grad())")
+        if no_grad.ref is None:
+            return (f"backward(): the batch of the last forward (batch_id {no_grad.batch_id}) was looked up directly "
+                    "(an IterableDataset, get_embedding_from_data): only batches streamed from data loaders "
+                    "(StreamingDataset) can be trained; evaluate it (under torch.no_grad())")
+        return (f"backward(): the batch of the last forward (batch_id {no_grad.batch_id}) was sent with "
+                "requires_grad=False: it takes no gradient; evaluate it (under torch.no_grad()) and call "
+                "backward() for training batches only (batch.requires_grad)")
+
+    def _let_go(self, batch: PersiaTrainingBatch, outcome: str) -> None:
+        """Nothing of ``batch`` is applied: its embedding-worker entry and staleness permit are
+        freed (an update without gradients), and it is counted failed with ``outcome``; it was
+        consumed by the loop, so a resumed loader skips it (``checkpoint_plan.CONSUMED``)."""
+        self._consumed(batch)
+        self._send_update(batch, [None] * len(batch.emb_tables), 1.0)
+        batch.settled = outcome
+        ACCOUNT.fail(outcome)
+        self._advance_position(batch.loader, outcome)
+
     def _release_skipped(self, batch: PersiaTrainingBatch | None) -> None:
         """Training on ``batch`` starts (None: training ends): every training batch handed out
         before it that got no backward (a loop that skips batches, a forward without backward)
@@ -418,27 +458,61 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 if b is not current:
                     skipped.append(b)
         for b in skipped:
-            self._consumed(b)
-            self._send_update(b, [None] * len(b.emb_tables), 1.0)  # frees the entry and the permit
-            self._no_backward += 1
-            ACCOUNT.fail("no_backward")
-            self._advance_position(b.loader, "no_backward")  # consumed by the loop: a resume skips it
-            if self._no_backward == 1 or self._no_backward % 100 == 0:
-                log.warning("a training batch (batch_id %s) got no backward: it is released, counted 'no_backward' "
-                            "(%d so far); every training batch a DataLoader yields needs ctx.backward(loss), or it "
-                            "is skipped this way", b.batch_id, self._no_backward)
+            self._no_backward_for(b)
+
+    def _no_backward_for(self, batch: PersiaTrainingBatch) -> None:
+        self._let_go(batch, "no_backward")
+        self._no_backward += 1
+        if self._no_backward == 1 or self._no_backward % 100 == 0:
+            log.warning("a training batch (batch_id %s) got no backward: it is released, counted 'no_backward' "
+                        "(%d so far); every training batch a DataLoader yields needs its own ctx.backward(loss) "
+                        "before the next one is trained (a loss over several batches trains the last one's "
+                        "embeddings only), or it is skipped this way", batch.batch_id, self._no_backward)
+
+    def _release_beyond(self, limit: int | None) -> None:
+        """The loop asks for its next batch: while the training batches handed out without a
+        backward hold every staleness permit (``limit``), no further batch can be looked up and
+        the loop would wait until its timeout (at staleness 1: a batch skipped with ``continue``,
+        or forwarded before a ``break`` and a new loop). The oldest of them are let go
+        (``no_backward``) until one permit can be free."""
+        if limit is None:
+            return
+        holding = [b for b in self._handed if b.holds_permit]
+        for b in holding[:max(0, len(holding) - limit + 1)]:
+            if b is self._current_batch:
+                self._current_batch = None
+            self._no_backward_for(b)
+
+    def _abandon_in_training(self) -> None:
+        """The context is left by an exception: the batches handed out and not trained (the one
+        between its forward and backward among them) are counted ``abandoned`` (a resumed loader
+        sends them again) and let go on their embedding workers, best effort: the exception may
+        be theirs."""
+        batches = list(self._handed)
+        current, self._current_batch = self._current_batch, None
+        if current is not None and all(b is not current for b in batches):
+            batches.append(current)
+        self._handed.clear()
+        for b in batches:
+            b.settled = "abandoned"
+            ACCOUNT.fail("abandoned")
+            if b.holds_permit and self._permits is not None:
+                self._permits.release()
+        if batches:
+            self._release_refs([{"worker": b.worker, "ref": b.ref} for b in batches if b.ref is not None])
 
     def prepare_features(self, persia_training_batch: PersiaTrainingBatch):
-        if persia_training_batch.requires_grad:
+        if persia_training_batch.requires_grad and persia_training_batch.settled is None:
             self._release_skipped(persia_training_batch)
             self._forwarded_no_grad = None
-        else:  # a streamed one sent requires_grad=False: backward() on it says why it cannot
-            self._forwarded_no_grad = persia_training_batch if persia_training_batch.ref is not None else None
+        else:  # sent requires_grad=False, or already trained: backward() on it says why it cannot
+            self._forwarded_no_grad = persia_training_batch
         return self._prepare_with_replay(persia_training_batch)
 
     def _skip_step(self, batch: PersiaTrainingBatch, reason: str) -> None:
         """Nothing of this batch is applied; its embedding-worker entry and permit are released."""
         self._send_update(batch, [None] * len(batch.emb_leaves), 1.0)
+        batch.settled = reason
         self._account_skip(batch, reason)
         self.check_dense_finite()  # a model already broken makes every later step non-finite too
 
@@ -476,6 +550,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
         (:mod:`persia.nn_worker.outbox`); bounded by ``backward_buffer_size`` updates."""
         self._backward_slots.acquire()
         unused = batch.unused_slots()
+        batch.settled = batch.settled or "trained"  # a later forward of it only evaluates
+        batch.earlier_leaves = []
         update = PendingUpdate(batch.worker, batch.ref, grads, scale, batch.holds_permit, unused_slots=unused)
         if self._own is not None:
             update.source = self._own.source
@@ -634,6 +710,12 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                     carried.append(transferred)
                 else:  # another worker's batch: applied first on its own, its permit passes on
                     self._update_now(transferred, passes_permit=True)
+            if self._own is not None:
+                # Around a replacement of the embeddings (clear, load) the updates numbered under
+                # the source before it go first, each alone: a call carries one source's updates.
+                for u in [u for u in carried if u.source != self._own.source]:
+                    carried.remove(u)
+                    self._update_now(u, passes_permit=any(u is t for t in transfers))
             if not carried:
                 return self._call_worker(worker, alone, request)
             carried.sort(key=lambda u: u.queued_at)
@@ -723,6 +805,8 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
                 self._release_skipped(None)  # the last batches handed out, if no backward took them
                 self._wait_for_updates()
                 self.check_dense_finite()
+            else:
+                self._abandon_in_training()
             if graceful:
                 self._stop_between_steps()
         finally:

@@ -32,6 +32,12 @@ class PersiaTrainingBatch:
     # use gets no update, as in PERSIA)
     emb_leaves: list[Any] = field(default_factory=list)
     slot_used: list[bool] = field(default_factory=list)
+    # (leaves, slot_used) of earlier forwards of this batch since its backward began: each forward
+    # builds its own leaves, and a loss over two forwards (R-drop) has gradients in both
+    earlier_leaves: list[tuple[list[Any], list[bool]]] = field(default_factory=list, repr=False)
+    # what became of it once its update was sent or it was let go ("trained", "no_backward", ...):
+    # forwarded again, it is only evaluated
+    settled: str | None = None
     # tensors the lookup thread built ahead (``EmbeddingCtx._prebuild``); one forward consumes them
     prepared: Any = field(default=None, repr=False)
     # what re-applying the NN worker's own missed updates needs (persia.nn_worker.own_updates):
@@ -39,8 +45,20 @@ class PersiaTrainingBatch:
     replay: dict | None = field(default=None, repr=False)
 
     def unused_slots(self) -> list[int]:
-        """Positions of the slots whose tensor got no gradient (after backward)."""
-        return [i for i, used in enumerate(self.slot_used) if not used]
+        """Positions of the slots whose tensor got no gradient in any forward (after backward)."""
+        used = list(self.slot_used)
+        for _, earlier in self.earlier_leaves:
+            used = [a or b for a, b in zip(used, earlier)]
+        return [i for i, u in enumerate(used) if not u]
+
+    def embedding_grads(self) -> list[Any]:
+        """Per dim, the gradient of its rows over every forward of this batch (None: none reached
+        it), as torch tensors (after backward)."""
+        out = []
+        for i, leaf in enumerate(self.emb_leaves):
+            parts = [g for g in (leaf.grad, *(leaves[i].grad for leaves, _ in self.earlier_leaves)) if g is not None]
+            out.append(None if not parts else parts[0] if len(parts) == 1 else sum(parts[1:], parts[0]))
+        return out
 
     def consume_all_meta_data(self) -> bytes | None:
         return self.meta
