@@ -25,8 +25,8 @@ import nats.errors
 
 from persia.errors import INPUT_ERRORS, BusyError, RemoteError
 from persia.security import (
-    SIGNATURE_HEADER, NatsAuth, SignatureChecker, Unauthorized, job_secret, needs_signature, redact_url, sign,
-    with_tls_scheme,
+    SIGNATURE_HEADER, NatsAuth, SignatureChecker, Unauthorized, job_secret, needs_signature, redact_url, ref_key,
+    sign, with_tls_scheme,
 )
 from persia.wire.codec import decode, encode
 
@@ -188,6 +188,12 @@ class NatsBus:
     @property
     def max_payload(self) -> int:
         return int(self.nc.max_payload)
+
+    @property
+    def ref_key(self) -> bytes | None:
+        """The key of this job's batch refs (``persia.security.batch_ref``), derived from the job
+        secret this bus signs with; None without one."""
+        return ref_key(self._secret)
 
     # -- client side ------------------------------------------------------------------------------
     async def arequest(self, subj: str, obj: Any, timeout: float = 10.0) -> Any:
@@ -382,12 +388,22 @@ class NatsBus:
         self.run(sub.unsubscribe())
 
     def subscribe_events(self, subj: str, handler: Callable[[Any], None], schema: Any = None) -> None:
-        """Fire-and-forget messages (progress, notifications); handler runs on the loop thread."""
+        """Fire-and-forget messages (progress, notifications); handler runs on the loop thread.
+        Events of signed subjects (``nn.done``) are verified first when a job secret is set: an
+        unsigned, forged or replayed one is dropped, with a log line at most once a second."""
         from persia.messages import validate
+
+        # a checker of its own: every subscription of an event gets each message, and a nonce seen
+        # by another subscription of this bus is no replay for this one
+        checker = SignatureChecker(self._secret) if self._secret and needs_signature(subj) else None
 
         async def cb(msg):
             try:
+                if checker is not None:
+                    checker.check(msg.subject, msg.data, (msg.headers or {}).get(SIGNATURE_HEADER))
                 handler(validate(schema, decode(msg.data), subj))
+            except Unauthorized as exc:
+                _rejected(str(exc), "dropped event")
             except ValueError as exc:
                 _rejected(f"{subj}: {exc}")
             except Exception:  # noqa: BLE001

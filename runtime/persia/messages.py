@@ -346,8 +346,17 @@ class WorkerStep(_Msg):
         return self
 
 
+MAX_RELEASE_REFS = 4096
+"""Refs one release may name: a data loader releases one send group (at most MAX_SEND_GROUP), an
+NN worker the batches it handed out and did not train (its buffers); a million took the embedding
+worker seconds, all the while holding up what it serves."""
+
+
 class WorkerRelease(_Msg):
-    refs: Annotated[list[Index], Field(max_length=1 << 20)] = []
+    """``ew.release.<k>`` (signed) and the embedding worker's gRPC ``Release``: batches nobody
+    will train on."""
+
+    refs: Annotated[list[Index], Field(max_length=MAX_RELEASE_REFS)] = []
 
 
 def _describe(exc: ValidationError) -> str:

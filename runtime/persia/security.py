@@ -175,10 +175,13 @@ SIGNED_METHODS = frozenset({
     ("ps", "clear"), ("ps", "dump"), ("ps", "load"), ("ps", "configure"), ("ps", "register_optimizer"),
     ("ps", "stage"), ("ps", "start"), ("ps", "commit"), ("ps", "abort"),
     ("nn", "eos"), ("nn", "batch"), ("nn", "batch_group"),
+    ("ew", "release"),  # destroys buffered ID features (a released ref is refused when it comes)
+    ("nn", "done"),  # an event: tells data loaders to give up on a rank (NatsBus.subscribe_events verifies)
 })
 """Controls that destroy state, write files, end training or feed it: signed when a job secret is
-set. (``ew.forward`` and ``ew.forward_group`` are not: a forged one only fills a bounded, expiring buffer, and its payload
-is the largest.)"""
+set. (``ew.forward`` and ``ew.forward_group`` are not, their payload is the largest: their refs are
+keyed with the secret instead, :func:`batch_ref`, so a forged one cannot take a batch's place, and
+otherwise it only fills a bounded, expiring buffer.)"""
 
 SIGNATURE_HEADER = "Persia-Signature"
 MAX_SKEW_S = 300.0
@@ -215,12 +218,20 @@ def sign(secret: bytes, subj: str, payload: bytes, now: float | None = None) -> 
 
 
 class SignatureChecker:
-    """Verifies signatures; refuses stale ones (clock skew window) and replays (nonces seen)."""
+    """Verifies signatures; refuses stale ones (clock skew window) and replays (nonces seen).
+
+    A signature is accepted while ``|now - sent| <= max_skew_s``: until ``sent + max_skew_s``, which
+    is later than ``now + max_skew_s`` for a sender whose clock runs ahead. So each nonce is kept
+    until ``max(now, sent) + max_skew_s``, the end of its own validity: a nonce forgotten is one
+    whose header is stale anyway (keeping it only ``max_skew_s`` after receipt let a header signed
+    200 s ahead be replayed once a later message evicted it)."""
 
     def __init__(self, secret: bytes, max_skew_s: float = MAX_SKEW_S):
         self.secret = secret
         self.max_skew_s = max_skew_s
-        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> time seen, oldest first
+        # nonce -> the time its signature stops being valid, in arrival order: almost sorted (only
+        # clocks ahead come later), and one evicted late is kept longer, never shorter
+        self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
     def check(self, subj: str, payload: bytes, header: str | None, now: float | None = None) -> None:
@@ -240,11 +251,35 @@ class SignatureChecker:
         if abs(now - sent) > self.max_skew_s:
             raise Unauthorized(f"{subj}: signature is {now - sent:.0f}s old (allowed: {self.max_skew_s:.0f}s)")
         with self._lock:
-            while self._seen and next(iter(self._seen.values())) < now - self.max_skew_s:
-                self._seen.popitem(last=False)  # O(1) per message: entries arrive in time order
+            while self._seen and next(iter(self._seen.values())) < now:
+                self._seen.popitem(last=False)  # O(1) per message: entries arrive (nearly) in expiry order
             if nonce in self._seen:
                 raise Unauthorized(f"{subj}: replayed control message")
-            self._seen[nonce] = now
+            self._seen[nonce] = max(now, sent) + self.max_skew_s
+
+
+# -- batch refs ------------------------------------------------------------------------------------
+_REF_KEYS: dict[bytes, bytes] = {}
+
+
+def ref_key(secret: bytes | None) -> bytes | None:
+    """The key of :func:`batch_ref` derived from the job secret (None without one), so the secret
+    itself keys nothing but signatures. Cached: it is asked once per batch."""
+    if not secret:
+        return None
+    key = _REF_KEYS.get(secret)
+    if key is None:
+        key = _REF_KEYS[secret] = hmac.new(secret, b"persia batch ref v1", hashlib.sha256).digest()
+    return key
+
+
+def batch_ref(session: str | None, loader: int, batch_id: int, key: bytes | None) -> int:
+    """The ref under which a batch's ID features wait on their embedding worker (62 bits), chosen
+    by the data loader. With ``key`` (:func:`ref_key` of the job secret) it is a keyed hash, which
+    the worker recomputes: nobody without the secret can name a future batch's ref, so a forged
+    ``ew.forward`` cannot buffer its IDs under it first. About 1 µs."""
+    digest = hashlib.blake2b(f"{session}/{loader}/{batch_id}".encode(), digest_size=8, key=key or b"").digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 # -- checkpoint root ------------------------------------------------------------------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import threading
@@ -12,7 +11,7 @@ from typing import Any, Callable
 
 import nats.errors
 
-from persia import env
+from persia import env, security
 from persia.bus import NatsBus, shared_bus, subject
 from persia.config import UnknownSlotError
 from persia.context import BaseCtx
@@ -33,13 +32,19 @@ log = logging.getLogger(__name__)
 _positions: dict[tuple, StreamPosition | None] = {}
 
 
-def batch_ref(session: str, loader: int, batch_id: int) -> int:
+_ENV_SECRET = object()
+
+
+def batch_ref(session: str, loader: int, batch_id: int, key: bytes | None | object = _ENV_SECRET) -> int:
     """The ref under which a batch's ID features wait on their embedding worker: chosen by the
     loader, so that it can name them to the NN worker before the worker has them. Unique per
     (loader process, batch) in practice (62 random-looking bits; the worker refuses a ref it
-    already holds), and the same for a retried send."""
-    digest = hashlib.blake2b(f"{session}/{loader}/{batch_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 2
+    already holds), and the same for a retried send. Keyed with the job secret when there is one
+    (``key``: ``security.ref_key`` of it; by default this process's ``PERSIA_JOB_SECRET``): the
+    worker recomputes it and refuses a forward whose ref does not match (docs/security.md)."""
+    if key is _ENV_SECRET:
+        key = security.ref_key(security.job_secret())
+    return security.batch_ref(session, loader, batch_id, key)
 
 
 def _process_position(session: str, resume: dict | None, live, loader_index: int,
@@ -184,7 +189,7 @@ class DataCtx(BaseCtx):
             self.skipped += 1
             self._metrics.inc("data_loader_batches_skipped")
             return
-        ref = batch_ref(self._stream.session, self.replica_index, batch_id)
+        ref = batch_ref(self._stream.session, self.replica_index, batch_id, self.bus.ref_key)
         leg = "id_features"
         try:
             ids = {

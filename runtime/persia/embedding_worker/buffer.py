@@ -71,6 +71,11 @@ class ExpiringBuffer:
         """``take`` calls waiting for their ref right now."""
         return self._n_waiting
 
+    def would_refuse(self, ref: int) -> bool:
+        """Whether a ``put`` under ``ref`` fails: it is held, or remembered as gone."""
+        with self._lock:
+            return ref in self._items or (self._gone is not None and self._gone.get(ref) is not None)
+
     def _expire_locked(self, now: float) -> None:
         dropped = 0
         while self._items:

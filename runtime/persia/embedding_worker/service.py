@@ -22,6 +22,7 @@ from persia.metrics import Metrics, start_exporter
 from persia import messages as M
 from persia import rpc
 from persia.recent_keys import RETRY_MEMORY, RecentKeys
+from persia.security import Unauthorized, batch_ref
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,10 @@ class EmbeddingWorker:
             self._register_nats(bus)
 
     # -- NATS -------------------------------------------------------------------------------------
+    _ref_key: bytes | None = None  # the job's batch-ref key (set by _register_nats): forwards' refs are checked
+
     def _register_nats(self, bus: NatsBus) -> None:
+        self._ref_key = bus.ref_key
         me = {"address": self.address, "replica_index": self.replica_index, "replica_size": self.replica_size}
         # the slot names too: a data loader refuses a batch with another ID feature when it is sent
         # (DataCtx.send_data), not later from whichever send or thread reaches this worker with it
@@ -180,7 +184,9 @@ class EmbeddingWorker:
                   schema=M.ForwardGroup)
         # a data loader whose batch did not go through hands the ID features back (or, when they
         # never arrived here, says they never will: a lookup waiting for them fails now)
-        bus.serve(subject("ew", "release", self.replica_index), self.release, blocking=False, schema=M.WorkerRelease)
+        # signed with the job secret (it destroys batches); on the bus's pool, not its loop: a
+        # release of thousands of refs must not hold up the forwards meanwhile
+        bus.serve(subject("ew", "release", self.replica_index), self.release, blocking=True, schema=M.WorkerRelease)
         bus.flush()
 
     def on_forward_group(self, req: dict) -> Any:
@@ -191,7 +197,7 @@ class EmbeddingWorker:
         refs: list = []
         errors: list = []
         for batch in req["batches"]:
-            try:
+            try:  # a ref not keyed with the job secret (Unauthorized) refuses the rest of the group
                 answer = self.on_forward(batch)
             except INPUT_ERRORS as exc:  # this batch's input
                 refs.append(None)
@@ -206,10 +212,10 @@ class EmbeddingWorker:
     def on_forward(self, req: dict) -> Any:
         """A data loader's ID features: validate now (a bad batch is rejected at the sender), buffer
         under the ``ref`` the loader chose (it gave the same to the NN worker, at the same time)."""
+        key = self._forward_key(req)
         batch_size = int(req["batch_size"])
         pipeline.validate_features(req["features"], batch_size, self.slots)
-        loader = int(req.get("loader", 0))
-        key = (loader, req.get("session"), req.get("batch_id"))
+        loader = key[0]
         with self._recent_lock:
             if key[2] is not None and key in self._recent:
                 # a retry of a send whose reply was lost: same ref, not a second copy
@@ -222,6 +228,27 @@ class EmbeddingWorker:
                 self._recent.add(key, ref)
         self.metrics.set("num_pending_batches", len(self.forward_buffer))
         return {"ref": ref, "worker": self.replica_index}
+
+    def _forward_key(self, req: dict) -> tuple:
+        """The key a retried send of ``req`` is recognised by; with a job secret, first checks that
+        its ``ref`` is the keyed ``batch_ref`` of its (session, loader, batch_id): a forward sent
+        ahead of a batch by somebody without the secret would otherwise buffer its IDs under the
+        batch's ref, and the loader's own send be answered as a retry of it (Unauthorized)."""
+        loader = int(req.get("loader", 0))
+        key = (loader, req.get("session"), req.get("batch_id"))
+        if self._ref_key is None:
+            return key
+        ref = req.get("ref")
+        if ref is None:  # the worker chooses the ref: kept apart from the loaders' keyed sends
+            return (*key, None)
+        if key[2] is None or ref != batch_ref(key[1], loader, key[2], self._ref_key):
+            if self.forward_buffer.would_refuse(int(ref)):
+                return (*key, ref)  # buffered or gone already: the buffer refuses it, as without a secret
+            raise Unauthorized(
+                f"ew.forward of data loader {loader} (session {key[1]!r}, batch {key[2]}): ref {ref} is not this "
+                f"job's ref of that batch (refs are keyed with PERSIA_JOB_SECRET; a sender without it, or "
+                f"with another job's)")
+        return key
 
     # -- gRPC -------------------------------------------------------------------------------------
     def _call_ps(self, method: str, requests: list[dict | None]) -> list[Any]:
@@ -449,7 +476,9 @@ class EmbeddingWorker:
     def release(self, req: dict) -> dict:
         """Forget batches nobody will train on (the uneven tail across DDP ranks, a batch whose
         data loader gave up on it). A ref not buffered is remembered as lost: its ID features
-        are refused if they come later, and a lookup waiting for them fails now."""
+        are refused if they come later, and a lookup waiting for them fails now. At most
+        ``messages.MAX_RELEASE_REFS`` refs a call (the schema refuses more); over NATS signed
+        with the job secret."""
         released = 0
         for ref in req.get("refs", []):
             if self.forward_buffer.release(int(ref), "was released before its lookup (its data loader gave up "
