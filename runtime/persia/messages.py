@@ -229,12 +229,34 @@ class PsAppliedQuery(_Msg):
     since: Index
 
 
+def check_elements(tables: Any, field: str, what: str) -> int:
+    """``sum(len(signs) * dim)`` over ``tables`` (validated PsTable/PsGradTable models); ValueError
+    naming ``field`` and the total when it exceeds ``MAX_ARRAY_ELEMENTS``. This is what a PS
+    allocates and computes for a request, whatever its payload's size: a table's ``signs`` may
+    reference the same bytes as another's, so 2.9 MB asked for 64 TiB of rows before. The limit
+    is what one gRPC message carries anyway (2^28 float32 rows are ``rpc.MAX_MESSAGE_BYTES``)."""
+    total = 0
+    for t in tables:
+        total += int(t.signs.shape[0]) * int(t.dim)
+    if total > MAX_ARRAY_ELEMENTS:
+        raise ValueError(f"field {field!r} {what} {total} elements (sum of len(signs) x dim over {len(tables)} "
+                         f"tables), more than the limit {MAX_ARRAY_ELEMENTS} (PERSIA_MAX_ARRAY_ELEMENTS)")
+    return total
+
+
 class PsLookup(_Msg):
+    """The rows of ``tables``, ``sum(len(signs) * dim)`` at most ``MAX_ARRAY_ELEMENTS``."""
+
     train: bool
     nonce: Index | None = None  # the batch id: admission draws independent of the sharding
     tables: Annotated[list[PsTable], Field(max_length=MAX_ITEMS)]
     state: bool = False  # also the rows' optimizer state and which positions have no row
     applied: PsAppliedQuery | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> "PsLookup":
+        check_elements(self.tables, "tables", "asks for")
+        return self
 
 
 def check_grad_table(dim: Any, signs: Any, grads: Any) -> None:
@@ -264,7 +286,9 @@ class PsGradTable(_Msg):
 
 class PsUpdate(_Msg):
     """``source``/``seqs``: a tagged update (own-update replay), applied as one critical section
-    and recorded as applied for ``source``; seqs without a source are refused."""
+    and recorded as applied for ``source``; seqs without a source are refused. The gradients of
+    all ``tables`` together are at most ``MAX_ARRAY_ELEMENTS`` (they may alias each other's bytes);
+    the PS refuses non-finite ones (``persia.embedding_ps.service``)."""
 
     tables: Annotated[list[PsGradTable], Field(max_length=MAX_ITEMS)]
     source: Index | None = None
@@ -274,6 +298,7 @@ class PsUpdate(_Msg):
     def _seqs_need_a_source(self) -> "PsUpdate":
         if self.seqs and self.source is None:
             raise ValueError(f"field 'seqs' ({self.seqs[:8]}) needs field 'source', which is None")
+        check_elements(self.tables, "tables", "carries gradients of")
         return self
 
 
@@ -290,6 +315,8 @@ class PsStep(_Msg):
     def _one_form(self) -> "PsStep":
         if self.lookup is not None and self.lookups:
             raise ValueError("fields 'lookup' and 'lookups' are exclusive: send one batch's lookup or a list")
+        # the reply holds every lookup's rows: bounded together, as one lookup's
+        check_elements([t for q in self.lookups if q is not None for t in q.tables], "lookups", "asks for")
         return self
 
 

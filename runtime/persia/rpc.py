@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ import grpc
 
 from persia.errors import INPUT_ERRORS, BatchLost, RemoteError, ServersMisplaced, TooManyWaiting
 from persia.messages import MessageError, validate
-from persia.security import GrpcTls
+from persia.security import GRPC_AUTH_METADATA, GrpcTls, grpc_token, grpc_token_matches, job_secret
 from persia.wire.codec import decode, encode
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,75 @@ def _unpack_request(buf: bytes) -> Any:
 
 Method = Callable[[Any], Any] | tuple[Callable[[Any], Any], Any]
 
+_FROM_ENV: Any = object()  # the job secret of this process's environment (PERSIA_JOB_SECRET)
+
+
+def _token(secret: Any) -> str | None:
+    return grpc_token(job_secret() if secret is _FROM_ENV else secret)
+
+
+class _Refusals:
+    """Log refused calls at most once a second (a flood must not flood the log), counting the
+    ones in between."""
+
+    def __init__(self, interval_s: float = 1.0):
+        self.interval_s = interval_s
+        self._last = float("-inf")
+        self._quiet = 0
+        self._lock = threading.Lock()
+
+    def note(self, where: str, peer: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < self.interval_s:
+                self._quiet += 1
+                return
+            self._last, quiet, self._quiet = now, self._quiet, 0
+        log.warning("refused a gRPC call to %s from %s: it does not carry this job's credential "
+                    "(PERSIA_JOB_SECRET)%s", where, peer, f"; {quiet} more refused since the last line" if quiet else "")
+
+
+_refusals = _Refusals()
+
+
+class _Service(grpc.GenericRpcHandler):
+    """The methods of one service. With ``token`` (:func:`persia.security.grpc_token` of the job
+    secret), a call whose ``persia-auth`` metadata is not that token is answered UNAUTHENTICATED
+    by a handler that takes the payload as raw bytes: nothing of it is decoded. A method of
+    another service is left to the server's other handlers (None)."""
+
+    def __init__(self, service: str, handlers: dict[str, grpc.RpcMethodHandler], token: str | None):
+        self._service = service
+        self._token = token
+        self._handlers = {f"/{service}/{name}": h for name, h in handlers.items()}
+        self._refuse = {path: grpc.unary_unary_rpc_method_handler(self._refuser(path.lstrip("/")))
+                        for path in self._handlers} if token else {}
+
+    @staticmethod
+    def _refuser(where: str):
+        def refuse(_raw: bytes, context: grpc.ServicerContext) -> None:
+            _refusals.note(where, context.peer())
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          f"{where}: this server requires the job's credential (a client with PERSIA_JOB_SECRET "
+                          f"sends it); the call carried none or a wrong one")
+
+        return refuse
+
+    def service_name(self) -> str:
+        return self._service
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        handler = self._handlers.get(method)
+        if handler is None or self._token is None:
+            return handler
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == GRPC_AUTH_METADATA:
+                if grpc_token_matches(value, self._token):
+                    return handler
+                break
+        return self._refuse[method]
+
 
 def error_status(exc: Exception) -> tuple[str, str]:
     """The gRPC status name and detail a handler's exception is answered with: what callers act
@@ -89,13 +159,18 @@ def serve(
     host: str = "0.0.0.0",
     max_workers: int = 8,
     tls: GrpcTls | None = None,
+    secret: bytes | None = _FROM_ENV,
 ) -> tuple[Server, int]:
     """Start a gRPC server for ``methods`` (each ``fn`` or ``(fn, schema)``, ``fn(request) ->
     response``, the schema from :mod:`persia.messages`); returns the bound port.
 
     ``tls`` defaults to ``PERSIA_GRPC_TLS_*`` (TLS with a certificate, mutual TLS with a CA too).
+    ``secret`` defaults to ``PERSIA_JOB_SECRET``: with one, every call must carry the job's
+    credential (``persia-auth`` metadata, which :class:`Client` sends) or is answered
+    UNAUTHENTICATED before its payload is decoded. Without one, any client is served.
     """
     tls = GrpcTls.from_env() if tls is None else tls
+    token = _token(secret)
 
     def wrap(name: str, method: Method):
         fn, schema = method if isinstance(method, tuple) else (method, None)
@@ -116,7 +191,7 @@ def serve(
             handler, request_deserializer=_unpack_request, response_serializer=_pack
         )
 
-    handlers = grpc.method_handlers_generic_handler(service, {n: wrap(n, f) for n, f in methods.items()})
+    handlers = _Service(service, {n: wrap(n, f) for n, f in methods.items()}, token)
     server = start_server(handlers, host, port, tls, max_workers=max_workers, thread_name_prefix="persia-grpc")
     return server, server.port
 
@@ -149,6 +224,10 @@ class Server:
             threading.Thread(target=release, name="persia-grpc-release", daemon=True).start()
         return stopped
 
+    def backlog(self) -> int:
+        """Calls accepted and waiting for a handler thread (the executor's queue; approximate)."""
+        return self._executor._work_queue.qsize()
+
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self._server.wait_for_termination(timeout)
 
@@ -164,11 +243,22 @@ def start_server(
     tls: GrpcTls,
     max_workers: int,
     thread_name_prefix: str,
+    maximum_concurrent_rpcs: int | None = None,
+    max_receive_bytes: int | None = None,
 ) -> Server:
     """Bind and start a server for ``handlers`` on ``host:port`` (0 picks a free port), with our
-    message size limits and, when ``tls`` is enabled, its credentials."""
+    message size limits and, when ``tls`` is enabled, its credentials.
+
+    ``maximum_concurrent_rpcs``: calls in progress at most, those waiting for a handler thread
+    included; gRPC answers one more RESOURCE_EXHAUSTED at once, without queueing it (None: no
+    limit). ``max_receive_bytes``: a larger request message is refused RESOURCE_EXHAUSTED by gRPC
+    before any of our code decodes it (None: ``MAX_MESSAGE_BYTES``)."""
+    options = SERVER_OPTIONS
+    if max_receive_bytes is not None:
+        options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+        options.append(("grpc.max_receive_message_length", int(max_receive_bytes)))
     executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
-    server = grpc.server(executor, options=SERVER_OPTIONS)
+    server = grpc.server(executor, options=options, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
     server.add_generic_rpc_handlers([handlers])
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:  # grpcio answers a failed bind with 0 in older releases, RuntimeError in newer ones
@@ -186,10 +276,14 @@ def start_server(
 class Client:
     """A channel to one server; ``call`` blocks, ``future`` lets callers fan out in parallel."""
 
-    def __init__(self, address: str, service: str, tls: GrpcTls | None = None):
+    def __init__(self, address: str, service: str, tls: GrpcTls | None = None, secret: bytes | None = _FROM_ENV):
+        """``secret`` defaults to ``PERSIA_JOB_SECRET``: with one, every call carries the job's
+        credential (:func:`persia.security.grpc_token`, computed here once)."""
         self.address = address
         self.service = service
         tls = GrpcTls.from_env() if tls is None else tls
+        token = _token(secret)
+        self._metadata = ((GRPC_AUTH_METADATA, token),) if token else None
         if tls.enabled:
             options = list(CLIENT_OPTIONS)
             if os.environ.get("PERSIA_GRPC_TLS_SERVER_NAME"):  # when certificates name a service, not the pod IP
@@ -210,12 +304,12 @@ class Client:
 
     def call(self, name: str, request: Any = None, timeout: float = 60.0) -> Any:
         try:
-            return self._method(name)(request, timeout=timeout)["m"]
+            return self._method(name)(request, timeout=timeout, metadata=self._metadata)["m"]
         except grpc.RpcError as exc:
             raise _as_remote_error(self, name, exc) from None
 
     def future(self, name: str, request: Any = None, timeout: float = 60.0):
-        return self._method(name).future(request, timeout=timeout)
+        return self._method(name).future(request, timeout=timeout, metadata=self._metadata)
 
     def result(self, name: str, fut) -> Any:
         try:

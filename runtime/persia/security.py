@@ -170,6 +170,37 @@ class GrpcTls:
                                             certificate_chain=self.cert)
 
 
+GRPC_AUTH_METADATA = "persia-auth"
+"""The gRPC metadata key of a call's job credential (:func:`grpc_token`)."""
+
+_GRPC_TOKENS: dict[bytes, str] = {}
+
+
+def grpc_token(secret: bytes | None) -> str | None:
+    """The credential every PERSIA gRPC call carries when the job has a secret (None without one):
+    ``HMAC-SHA256(secret, "persia grpc v1")`` in hex, so the secret itself never travels and keys
+    nothing but signatures. Cached: computed once per process (clients and servers ask for it once
+    each, when they are made)."""
+    if not secret:
+        return None
+    token = _GRPC_TOKENS.get(secret)
+    if token is None:
+        token = _GRPC_TOKENS[secret] = hmac.new(secret, b"persia grpc v1", hashlib.sha256).hexdigest()
+    return token
+
+
+def grpc_token_matches(value: str | bytes | None, token: str) -> bool:
+    """Whether a call's ``persia-auth`` metadata value is ``token``, in constant time (any value
+    that is not even text, a non-ASCII one included, is a mismatch, not an error)."""
+    if value is None:
+        return False
+    try:
+        got = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+    except (TypeError, ValueError):
+        return False
+    return hmac.compare_digest(got, token.encode())
+
+
 # -- signed control messages ----------------------------------------------------------------------
 SIGNED_METHODS = frozenset({
     ("ps", "clear"), ("ps", "dump"), ("ps", "load"), ("ps", "configure"), ("ps", "register_optimizer"),

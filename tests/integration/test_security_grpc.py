@@ -12,7 +12,7 @@ from persia import rpc
 from persia import messages as M
 from persia.wire import ids
 from persia.errors import RemoteError
-from persia.security import GrpcTls
+from persia.security import GRPC_AUTH_METADATA, GrpcTls, grpc_token, job_secret
 
 from .certs import certs  # noqa: F401 - fixture
 from .cluster import cluster
@@ -138,7 +138,8 @@ def test_undecodable_and_oversized_ps_requests_are_invalid_argument(persia_env):
                                   request_serializer=lambda b: b, response_deserializer=lambda b: b)
         for blob in (b"", b"garbage", b"PW1\x00\xff\xff\xff\xff", rpc._pack([1, 2])):
             with pytest.raises(grpc.RpcError) as err:
-                raw(blob, timeout=10)
+                # with the job's credential: undecodable bytes are the message's fault, not the caller's
+                raw(blob, timeout=10, metadata=((GRPC_AUTH_METADATA, grpc_token(job_secret())),))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (blob, err.value)
         channel.close()
         client = rpc.Client(f"127.0.0.1:{ps.port}", "persia.EmbeddingParameterServer")

@@ -31,6 +31,12 @@ class NotConfiguredError(RuntimeError):
     pass
 
 
+def _first_bad(grads: np.ndarray) -> str:
+    """Where and what the first non-finite gradient is (for the error; the refused path only)."""
+    row, col = np.argwhere(~np.isfinite(grads))[0]
+    return f"grads[{row}, {col}] = {grads[row, col]}"
+
+
 class EmbeddingParameterServer:
     def __init__(
         self,
@@ -312,14 +318,23 @@ class EmbeddingParameterServer:
             )
         t0 = time.perf_counter()
         tables = req["tables"]
+        prepared = []
         for i, t in enumerate(tables):  # every table before any is applied: a refused request changes nothing
             try:
                 M.check_grad_table(t["dim"], t["signs"], t["grads"])
             except ValueError as exc:
                 raise ValueError(f"PS replica {self.replica_index}, tables[{i}]: {exc}") from None
-        missing = self.store.update_tables(
-            [(np.asarray(t["signs"], dtype=np.uint64), np.asarray(t["grads"], dtype=np.float32)) for t in tables],
-            source=req.get("source"), seqs=req.get("seqs") or ())
+            grads = np.asarray(t["grads"])
+            if grads.dtype != np.float32:
+                with np.errstate(over="ignore"):  # refused below, not warned about
+                    grads = grads.astype(np.float32)
+            # a NaN or infinite gradient makes its rows NaN for good (clipping keeps NaN), and a
+            # float64 one past float32's range becomes inf here: checked after the conversion
+            if not np.isfinite(grads).all():
+                raise ValueError(f"PS replica {self.replica_index}, tables[{i}] (dim {t['dim']}): field 'grads' "
+                                 f"holds values that are not finite ({_first_bad(grads)}); nothing was applied")
+            prepared.append((np.asarray(t["signs"], dtype=np.uint64), grads))
+        missing = self.store.update_tables(prepared, source=req.get("source"), seqs=req.get("seqs") or ())
         self.metrics.observe("ps_update_time_cost_sec", time.perf_counter() - t0)
         return {"missing": missing}
 
