@@ -173,20 +173,26 @@ class GrpcTls:
 GRPC_AUTH_METADATA = "persia-auth"
 """The gRPC metadata key of a call's job credential (:func:`grpc_token`)."""
 
-_GRPC_TOKENS: dict[bytes, str] = {}
+_DERIVED: dict[tuple[bytes, bytes], bytes] = {}
+
+
+def derived_key(secret: bytes | None, purpose: bytes) -> bytes | None:
+    """``HMAC-SHA256(secret, purpose)`` (None without a secret): a key of its own for each use, so
+    the secret itself keys nothing but signatures and never travels. Cached: some are asked for
+    once per batch."""
+    if not secret:
+        return None
+    key = _DERIVED.get((secret, purpose))
+    if key is None:
+        key = _DERIVED[(secret, purpose)] = hmac.new(secret, purpose, hashlib.sha256).digest()
+    return key
 
 
 def grpc_token(secret: bytes | None) -> str | None:
-    """The credential every PERSIA gRPC call carries when the job has a secret (None without one):
-    ``HMAC-SHA256(secret, "persia grpc v1")`` in hex, so the secret itself never travels and keys
-    nothing but signatures. Cached: computed once per process (clients and servers ask for it once
-    each, when they are made)."""
-    if not secret:
-        return None
-    token = _GRPC_TOKENS.get(secret)
-    if token is None:
-        token = _GRPC_TOKENS[secret] = hmac.new(secret, b"persia grpc v1", hashlib.sha256).hexdigest()
-    return token
+    """The credential every PERSIA gRPC call carries when the job has a secret (None without
+    one), in hex."""
+    key = derived_key(secret, b"persia grpc v1")
+    return None if key is None else key.hex()
 
 
 def grpc_token_matches(value: str | bytes | None, token: str) -> bool:
@@ -290,18 +296,9 @@ class SignatureChecker:
 
 
 # -- batch refs ------------------------------------------------------------------------------------
-_REF_KEYS: dict[bytes, bytes] = {}
-
-
 def ref_key(secret: bytes | None) -> bytes | None:
-    """The key of :func:`batch_ref` derived from the job secret (None without one), so the secret
-    itself keys nothing but signatures. Cached: it is asked once per batch."""
-    if not secret:
-        return None
-    key = _REF_KEYS.get(secret)
-    if key is None:
-        key = _REF_KEYS[secret] = hmac.new(secret, b"persia batch ref v1", hashlib.sha256).digest()
-    return key
+    """The key of :func:`batch_ref`, derived from the job secret (None without one)."""
+    return derived_key(secret, b"persia batch ref v1")
 
 
 def batch_ref(session: str | None, loader: int, batch_id: int, key: bytes | None) -> int:

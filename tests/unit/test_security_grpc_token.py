@@ -7,13 +7,13 @@ import hmac
 import logging
 
 from persia import rpc
-from persia.security import grpc_token, grpc_token_matches
+from persia.security import grpc_token, grpc_token_matches, ref_key
 
 
-def test_token_is_an_hmac_of_the_secret_computed_once():
+def test_token_is_an_hmac_of_the_secret_and_other_keys_are_not():
     token = grpc_token(b"s3cret")
     assert token == hmac.new(b"s3cret", b"persia grpc v1", hashlib.sha256).hexdigest()
-    assert grpc_token(b"s3cret") is token  # cached
+    assert bytes.fromhex(token) != ref_key(b"s3cret")  # one key per use
     assert grpc_token(b"other") != token
     assert grpc_token(None) is None and grpc_token(b"") is None
 
