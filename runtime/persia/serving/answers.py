@@ -1,7 +1,8 @@
 """How a failed request is answered, the same on HTTP and gRPC (pure).
 
 A bad request is 400 / INVALID_ARGUMENT naming the field (features the model does not take too);
-a full queue, a missing model or an unreachable embedding worker is 503 / UNAVAILABLE; a request
+a full queue, a missing model, an unreachable embedding worker or a server that is stopping is 503 /
+UNAVAILABLE; a request
 not answered within ``request_timeout_s``, or whose embedding lookup ran out of that time, is
 504 / DEADLINE_EXCEEDED; anything else is 500 / INTERNAL and logged.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from persia.errors import RemoteError
-from persia.serving.batcher import QueueFull
+from persia.serving.batcher import QueueFull, Stopping
 from persia.serving.predictor import ModelInputError, ModelNotLoaded
 from persia.serving.request import RequestError
 
@@ -34,6 +35,8 @@ def classify(exc: BaseException) -> ServeError:
         return ServeError(400, "bad_request", str(exc))
     if isinstance(exc, QueueFull):
         return ServeError(503, "overloaded", f"overloaded: {exc}")
+    if isinstance(exc, Stopping):  # a drain refusal or leftover: retry on another replica, never a 500
+        return ServeError(503, "unavailable", f"{exc}; retry on another replica")
     if isinstance(exc, ModelNotLoaded):
         return ServeError(503, "unavailable", f"no model loaded: {exc}")
     if isinstance(exc, RemoteError):

@@ -9,6 +9,10 @@ Every request carries a deadline: one whose caller gave up (its future cancelled
 deadline passed before its batch ran is dropped, not run, so an overloaded server spends its
 time on requests someone still waits for. ``run(batches, deadline)`` gets the earliest deadline
 of the batch's requests, for its own calls (the embedding lookup).
+
+``stop(timeout_s)`` drains: new requests are refused at once (``Stopping``, answered 503), the
+requests already submitted still run for up to ``timeout_s``, and only those still waiting then
+fail with ``Stopping``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ log = logging.getLogger(__name__)
 
 class QueueFull(RuntimeError):
     """More requests wait than ``max_queue``."""
+
+
+class Stopping(RuntimeError):
+    """The model server is stopping: the request was refused, or never ran (answered 503)."""
+
+    def __init__(self, message: str = "the model server is stopping"):
+        super().__init__(message)
 
 
 def take_batch(pending: list[tuple], max_batch_size: int) -> tuple[list, list]:
@@ -58,16 +69,17 @@ class Batcher:
     earliest of their deadlines (``time.monotonic()``), and returns one output per request."""
 
     def __init__(self, run: Callable[[Sequence[PersiaBatch], float | None], list], max_batch_size: int,
-                 max_latency_s: float, max_queue: int = 1024, workers: int = 2,
-                 on_batch: Callable[[int], None] | None = None):
+                 max_latency_s: float, max_queue: int = 1024, workers: int = 2):
         self._run = run
         self.max_batch_size = max_batch_size
         self.max_latency_s = max_latency_s
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="serve-batch")
         self._slots = threading.BoundedSemaphore(workers)  # never collect more batches than run
-        self._on_batch = on_batch
         self._stop = threading.Event()
+        self._closing = False  # set by stop(): submit refuses
+        self._outstanding = 0  # submitted requests not answered yet
+        self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._collect, name="serve-batcher", daemon=True)
         self._thread.start()
 
@@ -79,14 +91,23 @@ class Batcher:
 
     def submit(self, batch: PersiaBatch, deadline: float | None = None) -> Future:
         """``deadline``: ``time.monotonic()`` after which the request is not run any more."""
-        if self._stop.is_set():
-            raise RuntimeError("the model server is stopping")
         fut: Future = Future()
-        try:
-            self._queue.put_nowait((batch, fut, deadline))
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        with self._idle:
+            if self._closing:
+                raise Stopping()
+            try:
+                self._queue.put_nowait((batch, fut, deadline))
+            except queue.Full:
+                raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+            self._outstanding += 1
+        fut.add_done_callback(self._answered)
         return fut
+
+    def _answered(self, _fut: Future) -> None:
+        with self._idle:
+            self._outstanding -= 1
+            if self._outstanding == 0:
+                self._idle.notify_all()
 
     @staticmethod
     def _still_wanted(item: tuple) -> bool:
@@ -118,7 +139,7 @@ class Batcher:
                     self._slots.release()
         for _, fut, _ in pending:
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the model server is stopping"))
+                fut.set_exception(Stopping())
 
     def _next_batch(self, pending: list) -> tuple[list, list]:
         """(the requests of the next batch, those left waiting); waits for a first request at most
@@ -156,8 +177,6 @@ class Batcher:
                 live.append((b, f, deadline))
             if not live:
                 return
-            if self._on_batch is not None:
-                self._on_batch(sum(b.batch_size for b, _, _ in live))
             deadlines = [d for _, _, d in live if d is not None]
             try:
                 outputs = self._run([b for b, _, _ in live], min(deadlines) if deadlines else None)
@@ -170,7 +189,17 @@ class Batcher:
         finally:
             self._slots.release()
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 0.0) -> None:
+        """Refuse new requests (``Stopping``); let those submitted run for up to ``timeout_s``;
+        then stop, failing any still waiting with ``Stopping`` (a batch running then finishes)."""
+        end = time.monotonic() + timeout_s
+        with self._idle:
+            self._closing = True
+            while self._outstanding > 0 and self._thread.is_alive():
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(min(left, 0.2))
         self._stop.set()
         self._thread.join()
         self._pool.shutdown(wait=True)
@@ -180,4 +209,4 @@ class Batcher:
             except queue.Empty:
                 break
             if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("the model server is stopping"))
+                fut.set_exception(Stopping())

@@ -1,5 +1,7 @@
 """``persia-launcher serve``: flags (with ``PERSIA_SERVE_*`` env fallbacks) to a ServeConfig, then
-run the model server until SIGTERM/SIGINT."""
+run the model server until SIGTERM/SIGINT, and stop it gracefully: ``/ready`` fails at once, requests
+are served for ``--drain-seconds`` more, those in flight then finish, and the process exits 0, all
+within ``PERSIA_GRACE_PERIOD_SECONDS`` (less a second); a second signal cuts the drain short."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import os
 import signal
 import threading
 
-from persia.env import env_flag
+from persia.env import env_flag, grace_period_s
 
 log = logging.getLogger("persia.serving")
 
@@ -39,8 +41,27 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="HTTP: the longest wait for a client (each write, a request's line and headers "
                         "altogether or an idle keep-alive connection, the whole body)")
     p.add_argument("--max-connections", **env_flag("PERSIA_SERVE_MAX_CONNECTIONS", int, "integer", 256),
-                   help="HTTP connections open at once (each holds a thread); one more is answered 503")
+                   help="HTTP connections open at once (each holds a thread); one more is answered 503 "
+                        "(GET /live, /ready, /metrics: answered all the same)")
+    p.add_argument("--drain-seconds", **env_flag("PERSIA_SERVE_DRAIN_SECONDS", _seconds, "number of seconds", 5.0),
+                   help="after SIGTERM: how long requests are still served while /ready fails (so the load "
+                        "balancer takes the replica out first); at most half of PERSIA_GRACE_PERIOD_SECONDS")
     return p
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 86_400.0:  # NaN too
+        raise ValueError(text)
+    return value
+
+
+def stop_budget(drain_s: float, grace_s: float) -> tuple[float, float]:
+    """Pure: (drain, whole stop) seconds for a ``drain_s`` request within a ``grace_s`` grace
+    period: the stop ends a second before the grace period does (the kubelet's SIGKILL), and the
+    drain takes at most half of it, leaving the rest to the requests in flight."""
+    whole = max(0.0, grace_s - 1.0)
+    return min(drain_s, whole / 2), whole
 
 
 def config_from_args(args, env=None):
@@ -77,13 +98,29 @@ def run_serve(args) -> int:
         config = config_from_args(args)
     except ValidationError as exc:
         raise SystemExit(f"persia-launcher serve: {exc}") from None
+    try:
+        drain_s, whole_s = stop_budget(args.drain_seconds, grace_period_s())
+    except ValueError as exc:
+        raise SystemExit(f"persia-launcher serve: {exc}") from None
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = None
+
+    def on_signal(*_):
+        if stop.is_set() and server is not None:
+            server.hurry()  # a second signal: no more draining
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     server = ModelServer(config)
     print(f"model server: HTTP {config.host}:{server.http_port} gRPC "
           f"{server.grpc_port if server.grpc_port else 'off'}", flush=True)
-    stop.wait()
-    log.info("model server shutting down")
-    server.stop()
+    # short waits: a signal the kernel delivers to another thread (gRPC's, a handler's) only runs
+    # its Python handler once the main thread wakes, and a wait without a timeout never does
+    while not stop.wait(0.2):
+        pass
+    log.info("model server stopping: draining for %gs, then in-flight requests finish (%gs in all)",
+             drain_s, whole_s)
+    server.stop(drain_s=drain_s, grace_s=whole_s)
+    log.info("model server stopped")
     return 0

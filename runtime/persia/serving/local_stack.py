@@ -70,7 +70,9 @@ class InferenceStack:
                                           "--replica-size", str(num_workers)], log_dir / f"ew-{i}.log")
                         for i, p in enumerate(ew_ports)]
         argv = py + ["serve", "--model", str(model), "--http-port", str(self.http_port),
-                     "--grpc-port", str(self.grpc_port), *serve_flags]
+                     "--grpc-port", str(self.grpc_port),
+                     "--drain-seconds", "0",  # no load balancer to take it out first: stop at once
+                     *serve_flags]
         for a in self.ew_addresses:
             argv += ["--embedding-worker", a]
         self.server = self._spawn(argv, log_dir / "model-server.log")

@@ -3,12 +3,13 @@ HTTP port; several servers in one process, as in tests, do not collide).
 
 =========================================== ==========================================================
 ``persia_serving_requests_total``           requests answered, by ``protocol`` (http, grpc) and ``code``
-``persia_serving_request_latency_seconds``  histogram: request received -> answer ready, by ``protocol``
+``persia_serving_request_latency_seconds``  histogram: request received (HTTP: its request line read)
+                                            -> answer ready, by ``protocol``
 ``persia_serving_batch_size``               histogram: samples per model call (after batching; at
                                             most max_batch_size: a larger request, once per chunk)
 ``persia_serving_samples_total``            samples predicted
 ``persia_serving_errors_total``             failed requests by ``kind`` (bad_request, overloaded,
-                                            unavailable, internal, timeout)
+                                            unavailable (a server stopping too), internal, timeout)
 ``persia_serving_queue_depth``              requests waiting for a batch
 ``persia_serving_model_loads_total``        model (re)loads by ``result`` (ok, failed)
 ``persia_serving_model_loaded_timestamp_seconds`` when the served model was loaded
