@@ -175,3 +175,21 @@ def test_json_nested_too_deep_is_found_before_it_is_parsed():
     # brackets inside strings, escaped quotes included, do not count
     assert not json_depth_over(b'{"a": "' + b"[" * 100 + b'"}')
     assert not json_depth_over(b'{"a": "\\"[[[["}' + b"[1]" * 100)
+
+
+def test_a_key_given_twice_in_a_json_object_is_refused_naming_it():
+    """The last of two equal keys won silently: a request whose "user" slot was sent twice was
+    served with the second list as if the first had not been sent."""
+    from persia.serving.request import RequestError, parse_json
+
+    assert parse_json(b'{"id_type_features": {"user": [1], "item": [2]}}') == {
+        "id_type_features": {"user": [1], "item": [2]}}
+    for body, key in ((b'{"id_type_features": {"user": [1], "user": [2]}}', "user"),
+                      (b'{"id_type_features": {"user": [1]}, "id_type_features": {"user": [2]}}', "id_type_features")):
+        with pytest.raises(RequestError, match="given twice") as err:
+            parse_json(body)
+        assert err.value.field == key
+    with pytest.raises(RequestError, match="not valid JSON"):
+        parse_json(b'{"a": ')
+    with pytest.raises(RequestError, match="nested more than"):
+        parse_json(b"[" * 100 + b"]" * 100)

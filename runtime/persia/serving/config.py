@@ -37,7 +37,8 @@ class ServeConfig(BaseModel):
     """HTTP: every socket write waits at most this; a request's line and headers must arrive
     within it (an idle keep-alive connection is closed after it), then its body (else 408)."""
     max_connections: int = Field(default=256, ge=1, le=65535)
-    """HTTP connections open at once (each holds a thread); one more is answered 503 and closed."""
+    """HTTP connections open at once (each holds a thread); one more goes to the probe lane: its
+    GET /live, /ready or /metrics is answered, anything else 503 and closed."""
 
     @field_validator("embedding_workers")
     @classmethod

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from persia.serving.request import MAX_JSON_DEPTH, RequestError, batch_from_bytes, batch_from_json, json_depth_over
+from persia.serving.request import RequestError, batch_from_bytes, batch_from_json, parse_json
 from persia.serving.answers import ServeError
 
 log = logging.getLogger(__name__)
@@ -310,15 +310,7 @@ def _handler(server: Any):
             ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
             try:
                 if ctype == "application/json":
-                    if json_depth_over(body):
-                        raise RequestError("body", f"not valid JSON: nested more than {MAX_JSON_DEPTH} deep")
-                    try:
-                        parsed = json.loads(body)
-                    except (ValueError, UnicodeDecodeError) as exc:  # > 4300-digit numbers too
-                        raise RequestError("body", f"not valid JSON: {exc}") from None
-                    except RecursionError:
-                        raise RequestError("body", "not valid JSON: nested too deeply") from None
-                    return batch_from_json(parsed)
+                    return batch_from_json(parse_json(body))
                 if ctype in BINARY_TYPES:
                     return batch_from_bytes(body)
             except RequestError as exc:

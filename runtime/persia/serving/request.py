@@ -16,6 +16,7 @@ float64, 32/64-bit integers and bool are refused naming the feature, as are NaN 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Sequence
 
@@ -43,6 +44,32 @@ def json_depth_over(body: bytes, limit: int = MAX_JSON_DEPTH) -> bool:
     brackets = _JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS)  # C speed; then only these
     opening = (np.frombuffer(brackets, dtype=np.uint8) & 0x02) != 0  # "[" 0x5b, "{" 0x7b; "]" 0x5d, "}" 0x7d
     return bool(opening.size) and int(np.cumsum(opening.astype(np.int32) * 2 - 1).max()) > limit
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads``' object hook: a key given twice is refused (the last one won silently, so
+    ``{"user": [...], "user": [...]}`` served the second list as if the first had not been sent)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise RequestError(key, "given twice in one JSON object")
+        out[key] = value
+    return out
+
+
+def parse_json(body: bytes) -> Any:
+    """A JSON request body, parsed: too deep, invalid, or with a key twice in one object is a
+    RequestError naming it."""
+    if json_depth_over(body):
+        raise RequestError("body", f"not valid JSON: nested more than {MAX_JSON_DEPTH} deep")
+    try:
+        return json.loads(body, object_pairs_hook=_unique_keys)
+    except (ValueError, UnicodeDecodeError) as exc:  # > 4300-digit numbers too (RequestError passes)
+        if isinstance(exc, RequestError):
+            raise
+        raise RequestError("body", f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError("body", "not valid JSON: nested too deeply") from None
 
 
 _U64_MAX = (1 << 64) - 1
