@@ -19,7 +19,7 @@ from tests.polling import poll_until
 def server():
     registry = CollectorRegistry()
     Counter("persia_probe", "a counter only this test's registry has", registry=registry).inc(3)
-    srv = serve_metrics("127.0.0.1", 0, registry=registry, max_connections=2, timeout_s=0.5)
+    srv = serve_metrics("127.0.0.1", 0, registry=registry, max_connections=2, timeout_s=0.5, deadline_s=2.0)
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -67,3 +67,27 @@ def test_a_client_sending_slowly_cannot_hold_a_thread_past_the_timeout_per_read(
     assert trickle.recv(1) == b""
     assert time.monotonic() - t0 < 5
     trickle.close()
+
+
+def test_a_client_that_trickles_is_closed_at_the_connection_deadline(server):
+    """A byte just inside each read timeout kept a slot for ever; the whole connection now has a
+    deadline (2 s here, 30 s by default)."""
+    slow = socket.create_connection(("127.0.0.1", server.server_port))
+    slow.settimeout(0.2)
+    t0 = time.monotonic()
+    closed = False
+    for ch in b"GET /metrics HTTP/1.1\r\nX-Slow: " + b"a" * 200:
+        try:
+            slow.sendall(bytes([ch]))
+            if slow.recv(1) == b"":
+                closed = True
+                break
+        except socket.timeout:  # nothing to read yet: the next byte, 0.2 s after the last
+            continue
+        except OSError:  # reset: closed too
+            closed = True
+            break
+    assert closed and time.monotonic() - t0 < 10, "the trickling client was never cut"
+    assert server.cut == 1
+    slow.close()
+    poll_until(lambda: server.connections == 0, what="its slot back")
