@@ -195,3 +195,38 @@ def test_the_request_clock_starts_at_the_request_line(model_file):
         latency = float(re.search(r'^persia_serving_request_latency_seconds_sum\{[^}]*protocol="http"[^}]*\} (\S+)$',
                                   text, re.MULTILINE).group(1))
         assert latency >= 1.0, text
+
+
+def test_request_bodies_held_at_once_are_bounded_in_bytes(model_file):
+    """Each connection could hold a body of max_request_bytes, 256 of them 16 GiB: a body is now
+    read only once its bytes fit --max-bytes-in-flight; one that finds no room within a
+    second is answered 503 before it is read, and the bytes come back once the first is done."""
+    with model_server(UNREACHABLE, model_file, max_request_bytes=4096, max_bytes_in_flight=4096,
+                      http_timeout_s=5.0) as server:  # the first body may take 5 s; the second waits 1 s
+        port = server.http_port
+        holder = Raw(port)
+        holder.send(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 4000\r\n\r\n" + b"{")  # its 4000 bytes reserved, one arrived
+        poll_until(lambda: server.body_budget.held == 4000, what="the first body's bytes reserved")
+        second = Raw(port)
+        second.send(predict_request(json.dumps(body([[1.0, 0.0]])).encode()))
+        status, _, answer = second.response()
+        assert status == 503 and json.loads(answer)["kind"] == "overloaded", answer
+        assert b"max-bytes-in-flight" in answer
+        holder.close()  # its body never comes: read times out, and its bytes are released
+        poll_until(lambda: server.body_budget.held == 0, what="the first body's bytes released")
+        third = Raw(port)
+        third.send(predict_request(json.dumps(body([[1.0, 0.0]])).encode()))
+        status, _, answer = third.response()
+        assert status != 503 or json.loads(answer)["kind"] != "overloaded", answer
+        for c in (second, third):
+            c.close()
+
+
+def test_a_byte_budget_smaller_than_the_largest_request_is_refused():
+    from pydantic import ValidationError
+
+    from persia.serving.config import ServeConfig
+
+    with pytest.raises(ValidationError, match="max_bytes_in_flight .* must be at least max_request_bytes"):
+        ServeConfig(embedding_workers=UNREACHABLE, model="m.pt", max_request_bytes=8192, max_bytes_in_flight=4096)

@@ -193,3 +193,21 @@ def test_a_key_given_twice_in_a_json_object_is_refused_naming_it():
         parse_json(b'{"a": ')
     with pytest.raises(RequestError, match="nested more than"):
         parse_json(b"[" * 100 + b"]" * 100)
+
+
+def test_a_byte_budget_waits_for_room_and_refuses_what_never_fits():
+    import threading
+
+    from persia.serving.budget import ByteBudget
+
+    budget = ByteBudget(100)
+    assert budget.reserve(60, 0.0) and not budget.reserve(50, 0.01)  # 110 > 100: not within the wait
+    assert not budget.reserve(101, 10.0)  # over the capacity: refused at once, not after 10 s
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(budget.reserve(50, 10.0)))
+    waiter.start()
+    budget.release(60)  # room for the waiter
+    waiter.join(10)
+    assert got == [True] and budget.held == 50
+    with pytest.raises(ValueError, match="released 60 bytes"):
+        budget.release(60)

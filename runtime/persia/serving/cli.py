@@ -43,6 +43,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-connections", **env_flag("PERSIA_SERVE_MAX_CONNECTIONS", int, "integer", 256),
                    help="HTTP connections open at once (each holds a thread); one more is answered 503 "
                         "(GET /live, /ready, /metrics: answered all the same)")
+    p.add_argument("--max-bytes-in-flight", **env_flag("PERSIA_SERVE_MAX_BYTES_IN_FLIGHT", int, "integer", 256 << 20),
+                   help="HTTP: request bodies read or parsed at once, in bytes; a request whose body finds no "
+                        "room within a second is answered 503 before it is read")
     p.add_argument("--drain-seconds", **env_flag("PERSIA_SERVE_DRAIN_SECONDS", _seconds, "number of seconds", 5.0),
                    help="after SIGTERM: how long requests are still served while /ready fails (so the load "
                         "balancer takes the replica out first); at most half of PERSIA_GRACE_PERIOD_SECONDS")
@@ -82,6 +85,7 @@ def config_from_args(args, env=None):
         max_batch_size=args.max_batch_size, max_latency_ms=args.max_latency_ms, workers=args.workers,
         model_poll_seconds=args.model_poll_seconds, request_timeout_s=args.request_timeout_s,
         http_timeout_s=args.http_timeout_s, max_connections=args.max_connections,
+        max_bytes_in_flight=args.max_bytes_in_flight,
     )
 
 

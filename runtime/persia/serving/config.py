@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ServeConfig(BaseModel):
@@ -30,6 +30,9 @@ class ServeConfig(BaseModel):
     model_poll_seconds: float = Field(default=5.0, gt=0.0)
     """How often the model file is checked for a new version (reloaded without a restart)."""
     max_request_bytes: int = Field(default=64 << 20, ge=1024)
+    max_bytes_in_flight: int = Field(default=256 << 20, ge=1024)
+    """Request bodies read or parsed at once, in bytes (at least ``max_request_bytes``); a body
+    that finds no room within a second is answered 503 before it is read (:mod:`persia.serving.budget`)."""
     request_timeout_s: float = Field(default=30.0, gt=0.0)
     """A request not answered within this is answered 504 (and dropped if it has not run); its
     embedding lookup gets what is left of it."""
@@ -39,6 +42,13 @@ class ServeConfig(BaseModel):
     max_connections: int = Field(default=256, ge=1, le=65535)
     """HTTP connections open at once (each holds a thread); one more goes to the probe lane: its
     GET /live, /ready or /metrics is answered, anything else 503 and closed."""
+
+    @model_validator(mode="after")
+    def _a_largest_request_fits(self) -> "ServeConfig":
+        if self.max_bytes_in_flight < self.max_request_bytes:
+            raise ValueError(f"max_bytes_in_flight ({self.max_bytes_in_flight}) must be at least max_request_bytes "
+                             f"({self.max_request_bytes}): a request of that size could never be read")
+        return self
 
     @field_validator("embedding_workers")
     @classmethod

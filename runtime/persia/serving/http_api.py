@@ -52,6 +52,7 @@ _MAX_LENGTH_DIGITS = 18  # a longer Content-Length is over any max_request_bytes
 _DISCARD_MAX = 64 << 10  # a body on a request that takes none: read and dropped up to this, else close
 _LINGER_S = 1.0  # a connection closed with input unread: how long that input is read and dropped first
 PROBE_PATHS = ("/live", "/ready", "/metrics")
+BODY_BUDGET_WAIT_S = 1.0  # a body that finds no room in --max-bytes-in-flight this long is answered 503
 _PROBE_HEAD_MAX = 8 << 10  # a probe's request head; a longer one is refused
 _PROBE_HEAD_S = 1.0  # a connection over max_connections has this long (at most) to send its request head
 _PROBE_LANE_MAX = 256  # connections the probe lane holds at once; one more refuses the oldest
@@ -306,11 +307,22 @@ def _handler(server: Any):
                 shown = self.headers.get("Content-Length", "").strip()
                 raise ServeError(413, "bad_request", f"body of {shown} bytes exceeds "
                                  f"{server.config.max_request_bytes}", "Content-Length")
-            body = self._read_body(length)
+            if not server.body_budget.reserve(length, min(self.timeout, BODY_BUDGET_WAIT_S)):
+                self.close_connection = True
+                self._linger = True
+                raise ServeError(503, "overloaded", f"overloaded: {server.body_budget.capacity} bytes of request "
+                                 f"bodies are being read or parsed (--max-bytes-in-flight); retry")
+            try:
+                return self._parse(self._read_body(length))
+            finally:
+                server.body_budget.release(length)
+
+        def _parse(self, body: bytes):
             ctype = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
             try:
                 if ctype == "application/json":
-                    return batch_from_json(parse_json(body))
+                    with server.json_parsing:  # one at a time: a parse takes ~20x its body in memory
+                        return batch_from_json(parse_json(body))
                 if ctype in BINARY_TYPES:
                     return batch_from_bytes(body)
             except RequestError as exc:

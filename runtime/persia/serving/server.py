@@ -13,6 +13,7 @@ import numpy as np
 from persia.data_loader.batch import PersiaBatch
 from persia.serving.answers import ServeError, classify
 from persia.serving.batcher import Batcher
+from persia.serving.budget import ByteBudget
 from persia.serving.config import ServeConfig
 from persia.serving.metrics import ServingMetrics
 from persia.serving.model import DenseModel
@@ -29,6 +30,9 @@ class ModelServer:
                                 on_load=self._on_model_load)
         self.predictor = Predictor(config.embedding_workers, self.model, config.max_batch_size,
                                    on_model_call=self.metrics.batch_size.observe)
+        # HTTP request bodies held at once, and JSON parsed one at a time (persia.serving.budget)
+        self.body_budget = ByteBudget(config.max_bytes_in_flight)
+        self.json_parsing = threading.Lock()
         self._stopping = False  # stop() began: /ready answers 503 "stopping"
         self._hurry = threading.Event()  # cuts stop()'s drain short
         self.batcher = Batcher(self.predictor.run, config.max_batch_size, config.max_latency_ms / 1000.0,
