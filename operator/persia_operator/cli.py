@@ -194,10 +194,12 @@ def _run(config: Any) -> int:
     from .leader import LeaderElector, run_as_leader
 
     if config.metrics_port:
-        from prometheus_client import start_http_server
+        # the runtime's bounded server (persia.metrics_server: 16 connections, 10 s a read or
+        # write, 30 s a connection); prometheus_client's own waited on a silent client for ever
+        from persia.metrics_server import serve_metrics
 
         try:
-            start_http_server(config.metrics_port)
+            serve_metrics("0.0.0.0", config.metrics_port)
         except OSError as err:  # the operator is more important than its metrics
             logging.getLogger("persia_operator").error(
                 f"no /metrics: cannot listen on port {config.metrics_port}: {err}")
