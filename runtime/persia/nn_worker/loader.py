@@ -248,6 +248,14 @@ class _LoaderIterator:
             return True, None
         return self._permits.acquire_or_take_over(claim, self._stop)
 
+    def _give_back_permit(self, transferred: Any) -> None:
+        """A permit taken for a lookup that will not be made: a taken-over update still goes
+        (and its permit comes back when it is applied), a free one is released."""
+        if transferred is not None:
+            self.ctx._transfer_cancelled(transferred)
+        else:
+            self._permits.release()
+
     def _try_permit(self) -> tuple[bool, Any]:
         """:meth:`_acquire_permit` without waiting (a group's further batches)."""
         claim = getattr(self.ctx, "_claim_permit", None)
@@ -298,6 +306,13 @@ class _LoaderIterator:
                 transferred = None
                 if holds_permit:
                     got, transferred = self._acquire_permit()
+                    if got and self._abandoned.is_set():
+                        # the loop left meanwhile: what it took goes back. The permits are the
+                        # context's, and the next loop's: this took over the update the next
+                        # loop's release of a batch had just put, and the permit was lost with
+                        # the lookup it never made (that loop then waited until its timeout)
+                        self._give_back_permit(transferred)
+                        got = False
                     if not got:
                         self._release_unlooked(item)
                         continue
@@ -349,7 +364,9 @@ class _LoaderIterator:
         except RuntimeError:  # the pool was shut down meanwhile: the pipeline stops
             if not self._stop.is_set():
                 raise
-            for item, _holds, _transferred in group:  # pulled, never looked up: handed back, counted
+            for item, holds, transferred in group:  # pulled, never looked up: handed back, counted
+                if holds:  # the context's permits: the next loop's lookups wait for them
+                    self._give_back_permit(transferred)
                 self._release_unlooked(item)
             return
         for (item, _holds, transferred), fut in zip(group, futures):
