@@ -18,6 +18,7 @@ from persia.embedding.data import IDTypeFeatureWithSingleID, Label, NonIDTypeFea
 from persia.embedding.optim import SGD
 from persia.errors import PersiaError
 from persia.nn_worker.accounting import ACCOUNT
+from tests.polling import poll_until
 
 from .cluster import cluster
 from .test_training_path import BS, Eval, Model, adagrad_ctx, make_batch, send_in_thread, train_step
@@ -214,3 +215,43 @@ def test_a_context_left_by_an_exception_accounts_for_its_batch_in_training(persi
     result = ACCOUNT.as_result()
     assert result["batches_failed"].get("abandoned", 0) >= 1, result
     assert result["batches_trained"] == trained and ACCOUNT.unaccounted() == 0, result
+
+
+class SlowLookups(TrainCtx):
+    """A TrainCtx whose lookups of batches from ``slow_from`` on wait for ``go``."""
+
+    def __init__(self, *args, slow_from: int, go, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slow_from, self.go = slow_from, go
+
+    def _lookup_message(self, msg, holds_permit, transferred=None):
+        if int(msg["batch_id"]) >= self.slow_from:
+            assert self.go.wait(30)
+        return super()._lookup_message(msg, holds_permit, transferred)
+
+
+def test_lookups_cancelled_when_a_loop_is_left_give_their_permits_back(persia_env):
+    """A loop left while lookups wait for the pool's one thread: they are cancelled, and their
+    staleness permits, the context's (the next loop's too), come back. Before, each was lost."""
+    import threading
+
+    go = threading.Event()
+    with cluster():
+        sender, errors = start()
+        model = Model()
+        with SlowLookups(model=model, embedding_optimizer=SGD(lr=0.1), slow_from=1, go=go,
+                         dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1)) as ctx:
+            loop = DataLoader(StreamingDataset(4), embedding_staleness=3, num_workers=1, **LOOP)
+            it = iter(loop)
+            train_step(ctx, next(it))
+            # batch 1's lookup holds the one thread; 2 and 3 wait for it, a permit each
+            poll_until(lambda: ctx._permits.held == 3, what="three lookups dispatched")
+            it.close()  # the loop is left (what dropping it at a `break` does): waiting lookups are cancelled
+            go.set()
+            ctx.wait_for_pending_updates()
+            poll_until(lambda: ctx._permits.held == 0, what="every permit back")
+            rest = sum(1 for batch in DataLoader(StreamingDataset(4), embedding_staleness=3, **LOOP)
+                       if train_step(ctx, batch) is None)
+        finished(sender, errors)
+    failed = ACCOUNT.as_result()["batches_failed"]
+    assert 1 + rest + failed.get("abandoned", 0) == N and ACCOUNT.unaccounted() == 0, (rest, failed)

@@ -369,10 +369,12 @@ class _LoaderIterator:
                     self._give_back_permit(transferred)
                 self._release_unlooked(item)
             return
-        for (item, _holds, transferred), fut in zip(group, futures):
+        for (item, holds, transferred), fut in zip(group, futures):
             fut.batch_loader = item.get("loader")  # type: ignore[attr-defined] - whose position a failure moves
             if transferred is not None:  # a lookup cancelled at shutdown still applies it
                 fut.add_done_callback(lambda f, u=transferred: f.cancelled() and self.ctx._transfer_cancelled(u))
+            elif holds:  # a lookup cancelled at shutdown gives its permit back (the next loop's too)
+                fut.add_done_callback(lambda f: f.cancelled() and self._permits.release())
         for fut in futures:
             self._put(fut)
 
