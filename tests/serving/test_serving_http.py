@@ -194,7 +194,9 @@ def test_the_request_clock_starts_at_the_request_line(model_file):
         text = server.metrics.render().decode()
         latency = float(re.search(r'^persia_serving_request_latency_seconds_sum\{[^}]*protocol="http"[^}]*\} (\S+)$',
                                   text, re.MULTILINE).group(1))
-        assert latency >= 1.0, text
+        # the client's 1 s pause, less the moments between its send and the server's read of the
+        # request line (0.99993 s was seen under load); measured from the parse it was about 0.5 s
+        assert latency >= 0.9, text
 
 
 def test_request_bodies_held_at_once_are_bounded_in_bytes(model_file):
