@@ -21,11 +21,12 @@ pytestmark = pytest.mark.integration
 _RANK_SCRIPT = r"""
 import json
 import sys
+import weakref
 import torch
 from persia.ctx import TrainCtx
 from persia.embedding.optim import Adagrad
 
-grads = []
+grads, wrappers = [], []
 for round_ in range(2):
     torch.manual_seed(round_)
     model = torch.nn.Linear(3, 1)
@@ -34,9 +35,12 @@ for round_ in range(2):
         torch.manual_seed(100 + 10 * round_ + ctx.rank)  # each rank its own input
         ctx.model(torch.randn(4, 3)).sum().backward()  # DDP averages the gradients over the ranks
         grads.append(model.weight.grad.flatten().tolist())
+        ddp = weakref.ref(ctx.model)
+    # ``ctx`` is still held here: its DDP wrapper must be gone before the group may be destroyed
+    wrappers.append({"freed": ddp() is None, "model_is_users": ctx.model is model})
     if sys.argv[1] == "destroy":
         torch.distributed.destroy_process_group()
-print("RESULT " + json.dumps(grads), flush=True)
+print("RESULT " + json.dumps({"grads": grads, "wrappers": wrappers}), flush=True)
 """
 
 
@@ -69,6 +73,9 @@ def test_two_ranks_train_in_two_contexts_one_after_the_other(persia_env, tmp_pat
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     results = [json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:]) for out in outs]
+    for result in results:  # each context let go of its DDP wrapper at its exit, with ``ctx`` still held
+        assert result["wrappers"] == [{"freed": True, "model_is_users": True}] * 2
+    results = [r["grads"] for r in results]
     assert results[0] == results[1]  # both ranks hold the same, averaged, gradient in both contexts
     for round_, grad in enumerate(results[0]):
         mean = [(a + b) / 2 for a, b in zip(_own_gradient(round_, 0), _own_gradient(round_, 1))]

@@ -3,10 +3,12 @@ sent back asynchronously, releasing a staleness permit when the PS has applied t
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -825,7 +827,25 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             self._subs = []
             self._backward_pool.shutdown(wait=exc is None or graceful)
             self.bus.flush()
-            super()._exit(exc)
+            try:
+                super()._exit(exc)
+            finally:
+                self._drop_ddp()
+
+    def _drop_ddp(self) -> None:
+        """``model`` is the user's module again, and the DDP wrapper is freed now, while its process
+        group is alive: a script may destroy the group while it still holds this context, and a
+        DDP reducer freed after that (at the next ``ctx =``) made the group's destructor wait for
+        gloo threads that never ended (a hang). The group itself stays for a later TrainCtx."""
+        ddp = self.model
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            return
+        self.model = ddp.module
+        self._control_group = None
+        alive = weakref.ref(ddp)
+        del ddp
+        if alive() is not None:  # held by a reference cycle: collect it here, not at some later point
+            gc.collect()
 
 
 
