@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 
@@ -46,7 +47,10 @@ def env_flag(name: str, convert, what: str, default, environ=None) -> dict:
     environ = os.environ if environ is None else environ
 
     def parse(text: str):
-        return convert(text)
+        try:
+            return convert(text)
+        except argparse.ArgumentTypeError as exc:  # a range check's message: say where the value came from
+            raise argparse.ArgumentTypeError(f"{exc} (the flag, or env {name})") from None
 
     parse.__name__ = f"{what} (the flag, or env {name})"
     raw = environ.get(name)
@@ -76,6 +80,27 @@ def int_in_range(name: str, raw: str, low: int, high: int, also: str = "") -> in
     if not low <= value <= high:
         raise ValueError(f"environment variable {name} must be an integer from {low} to {high}{also}, got {raw!r}")
     return value
+
+
+def int_arg(low: int, high: int | None = None):
+    """An argparse ``type``: an integer from ``low`` to ``high`` (no bound when None); any other
+    text is refused with the range and the value (``--port 70000`` was taken, and failed later)."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            allowed = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be an integer {allowed}, got {text!r}")
+        return value
+
+    return convert
+
+
+PORT = int_arg(0, 65535)
+"""A TCP port flag: 0 (a free one) to 65535."""
 
 
 def number_in_range(raw: str, low: float, high: float) -> float | None:

@@ -13,7 +13,7 @@ import threading
 import time
 
 from persia.allocator import tune_allocator
-from persia.env import env_flag, grace_period_s
+from persia.env import PORT, env_flag, grace_period_s, int_arg
 from persia.procs import spawn, stop_in_order
 from persia.thread_names import name_os_threads
 
@@ -25,14 +25,14 @@ def _env_default(name: str, default=None):
 
 
 def _add_server_flags(p: argparse.ArgumentParser, default_port: int) -> None:
-    p.add_argument("--port", **env_flag("PERSIA_PORT", int, "integer", default_port),
+    p.add_argument("--port", **env_flag("PERSIA_PORT", PORT, "port", default_port),
                    help=f"gRPC port (default {default_port}; 0 picks a free one)")
     p.add_argument("--embedding-config", default=_env_default("PERSIA_EMBEDDING_CONFIG"),
                    help="embedding_config.yml (env PERSIA_EMBEDDING_CONFIG)")
     p.add_argument("--global-config", default=_env_default("PERSIA_GLOBAL_CONFIG"),
                    help="global_config.yml (env PERSIA_GLOBAL_CONFIG)")
-    p.add_argument("--replica-index", **env_flag("REPLICA_INDEX", int, "integer", 0))
-    p.add_argument("--replica-size", **env_flag("REPLICA_SIZE", int, "integer", 1))
+    p.add_argument("--replica-index", **env_flag("REPLICA_INDEX", int_arg(0), "integer", 0))
+    p.add_argument("--replica-size", **env_flag("REPLICA_SIZE", int_arg(1), "integer", 1))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,23 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     nn = sub.add_parser("nn-worker", help="run an NN-worker training script on --nproc-per-node processes")
     nn.add_argument("filepath", nargs="?", default=_env_default("PERSIA_NN_WORKER_ENTRY"))
-    nn.add_argument("--nproc-per-node", **env_flag("NPROC_PER_NODE", int, "integer", 1))
-    nn.add_argument("--node-rank", **env_flag("REPLICA_INDEX", int, "integer", 0))
-    nn.add_argument("--nnodes", **env_flag("REPLICA_SIZE", int, "integer", 1))
+    nn.add_argument("--nproc-per-node", **env_flag("NPROC_PER_NODE", int_arg(1), "integer", 1))
+    nn.add_argument("--node-rank", **env_flag("REPLICA_INDEX", int_arg(0), "integer", 0))
+    nn.add_argument("--nnodes", **env_flag("REPLICA_SIZE", int_arg(1), "integer", 1))
 
     dl = sub.add_parser("data-loader", help="run a data-loader script")
     dl.add_argument("filepath", nargs="?", default=_env_default("PERSIA_DATALOADER_ENTRY"))
-    dl.add_argument("--replica-index", **env_flag("REPLICA_INDEX", int, "integer", 0))
-    dl.add_argument("--replica-size", **env_flag("REPLICA_SIZE", int, "integer", 1))
+    dl.add_argument("--replica-index", **env_flag("REPLICA_INDEX", int_arg(0), "integer", 0))
+    dl.add_argument("--replica-size", **env_flag("REPLICA_SIZE", int_arg(1), "integer", 1))
 
     ew = sub.add_parser("embedding-worker", help="run an embedding worker")
     _add_server_flags(ew, 8887)
     ew.add_argument("--with-ps", action="store_true", default=_env_default("PERSIA_WITH_PS") == "1",
                     help="also run PS replica --replica-index in this process and call it without gRPC "
                          "(env PERSIA_WITH_PS=1; persia.embedding_worker.colocated)")
-    ew.add_argument("--ps-port", **env_flag("PERSIA_PS_PORT", int, "integer", 8888),
+    ew.add_argument("--ps-port", **env_flag("PERSIA_PS_PORT", PORT, "port", 8888),
                     help="with --with-ps: the PS's gRPC port, for the other embedding workers (0: a free one)")
-    ew.add_argument("--ps-replica-size", type=int, default=None,
+    ew.add_argument("--ps-replica-size", type=int_arg(1), default=None,
                     help="with --with-ps: how many PS replicas the job has (default: --replica-size)")
     ps = sub.add_parser("embedding-parameter-server", help="run an embedding parameter server")
     _add_server_flags(ps, 8888)

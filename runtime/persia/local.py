@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from persia.context import torch_threads_setting
-from persia.env import MAX_GRACE_S, env_flag, grace_period_s, number_in_range
+from persia.env import MAX_GRACE_S, env_flag, grace_period_s, int_arg, number_in_range
 from persia.errors import PersiaValidationError
 from persia.metrics import metrics_port
+from persia.nats_server import MAX_PAYLOAD_LIMIT
 from persia.nn_worker.cpu_placement import ENV as TRAINING_CPUS_ENV, format_cpus
 from persia.procs import spawn, stop_in_order
 from persia.supervisor import Action, decide, describe_exit
@@ -57,11 +58,12 @@ def add_local_parser(sub) -> None:
     p.add_argument("--colocate-ps", action="store_true",
                    help="run PS replica i inside embedding worker i's process and call it without gRPC "
                         "(needs --num-ps == --num-embedding-workers; docs/benchmarks.md, item 3)")
-    p.add_argument("--nats-max-payload", type=int, default=64 * 1024 * 1024)
+    p.add_argument("--nats-max-payload", type=int_arg(1, MAX_PAYLOAD_LIMIT), default=MAX_PAYLOAD_LIMIT,
+                   help=f"the nats-server's max_payload in bytes (default and most {MAX_PAYLOAD_LIMIT})")
     p.add_argument("--nats-url", default=None,
                    help="use this NATS server instead of starting one (a shared server, or a proxy in front of "
                         "one); its credentials come from this process's PERSIA_NATS_* environment")
-    p.add_argument("--cores", type=int, default=None, help="cores to budget threads for (default: all)")
+    p.add_argument("--cores", type=int_arg(1), default=None, help="cores to budget threads for (default: all)")
     p.add_argument("--nn-threads", type=_nn_threads_arg, default=None,
                    help="torch threads per NN worker (default 'auto': start with its share of the cores, measure "
                         "the counts in training and keep the fastest)")
@@ -71,7 +73,7 @@ def add_local_parser(sub) -> None:
                         "the other CPUs (PERSIA_TRAINING_CPUS); off: the kernel places every thread")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--result-file", default=None, help="write the trainer's PERSIA_RESULT JSON here")
-    p.add_argument("--max-restarts", **env_flag("PERSIA_MAX_RESTARTS", int, "integer", 3),
+    p.add_argument("--max-restarts", **env_flag("PERSIA_MAX_RESTARTS", int_arg(0), "integer", 3),
                    help="whole-job restarts after a role is killed or a server exits (default 3; "
                         "each restart resumes from the latest checkpoint)")
     p.add_argument("--grace-period", type=_grace_period_arg, default=None,

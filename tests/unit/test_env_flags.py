@@ -37,3 +37,33 @@ def test_an_empty_variable_is_unset(monkeypatch):
     assert build_parser().parse_args(["nn-worker", "train.py"]).node_rank == 0
     args = build_parser().parse_args(["local", "--nn-worker", "t.py", "--data-loader", "d.py", "--embedding-config", "e.yml"])
     assert args.max_restarts == 3
+
+
+@pytest.mark.parametrize("argv, flag, value, allowed", [
+    (["embedding-parameter-server", "--port", "70000"], "--port", "70000", "from 0 to 65535"),
+    (["embedding-worker", "--ps-port", "-1"], "--ps-port", "-1", "from 0 to 65535"),
+    (["embedding-worker", "--ps-replica-size", "0"], "--ps-replica-size", "0", ">= 1"),
+    (["nn-worker", "t.py", "--nnodes", "0"], "--nnodes", "0", ">= 1"),
+    (["nn-worker", "t.py", "--node-rank", "-1"], "--node-rank", "-1", ">= 0"),
+    (["data-loader", "d.py", "--replica-size", "0"], "--replica-size", "0", ">= 1"),
+    (["local", "--nn-worker", "t.py", "--data-loader", "d.py", "--embedding-config", "e.yml", "--cores", "0"],
+     "--cores", "0", ">= 1"),
+    (["local", "--nn-worker", "t.py", "--data-loader", "d.py", "--embedding-config", "e.yml", "--max-restarts", "-1"],
+     "--max-restarts", "-1", ">= 0"),
+    (["local", "--nn-worker", "t.py", "--data-loader", "d.py", "--embedding-config", "e.yml",
+      "--nats-max-payload", "0"], "--nats-max-payload", "0", "from 1 to 67108864"),
+])
+def test_a_value_out_of_range_is_refused_naming_the_flag_the_range_and_the_value(argv, flag, value, allowed, capsys):
+    """Before, each was taken: ``--port 70000`` failed later in gRPC, ``--cores 0`` budgeted for
+    every core, ``--max-restarts -1`` meant none, ``--nats-max-payload 0`` a traceback."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert f"argument {flag}: must be an integer {allowed}, got '{value}'" in capsys.readouterr().err
+
+
+def test_a_variable_out_of_range_is_refused_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv("PERSIA_PORT", "-4")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["embedding-parameter-server"])
+    assert "argument --port: must be an integer from 0 to 65535, got '-4' (the flag, or env PERSIA_PORT)" in \
+        capsys.readouterr().err
