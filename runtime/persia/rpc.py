@@ -100,18 +100,38 @@ class _Refusals:
 _refusals = _Refusals()
 
 
-class _Service(grpc.GenericRpcHandler):
-    """The methods of one service. With ``token`` (:func:`persia.security.grpc_token` of the job
-    secret), a call whose ``persia-auth`` metadata is not that token is answered UNAUTHENTICATED
-    by a handler that takes the payload as raw bytes: nothing of it is decoded. A method of
-    another service is left to the server's other handlers (None)."""
+HandlerFactory = Callable[[float], grpc.RpcMethodHandler]
+"""``make(arrived)``: a method's handler, made by gRPC's serving thread as its call arrives
+(``arrived``: ``time.monotonic()`` then), before the call waits for a handler thread."""
 
-    def __init__(self, service: str, handlers: dict[str, grpc.RpcMethodHandler], token: str | None):
+
+def fixed(handler: grpc.RpcMethodHandler) -> HandlerFactory:
+    """A factory that answers every call with the same ``handler``."""
+    return lambda _arrived: handler
+
+
+class Service(grpc.GenericRpcHandler):
+    """The methods of one service, ``factories`` by method name (each :data:`HandlerFactory`:
+    :func:`fixed` for a handler made once, or one made per call, so that its deadline counts from
+    the call's arrival). A method of another service is left to the server's other handlers (None).
+
+    With ``token`` (:func:`persia.security.grpc_token` of the job secret), a call whose
+    ``persia-auth`` metadata is not that token is answered UNAUTHENTICATED by a handler that takes
+    the payload as raw bytes: nothing of it is decoded.
+
+    ``on_over_limit(method)``: called for a call that gRPC is about to refuse RESOURCE_EXHAUSTED
+    because ``maximum_concurrent_rpcs`` calls are in progress (:func:`start_server` wires it; gRPC
+    itself counts such refusals nowhere)."""
+
+    def __init__(self, service: str, factories: dict[str, HandlerFactory], token: str | None = None,
+                 on_over_limit: Callable[[str], None] | None = None):
         self._service = service
         self._token = token
-        self._handlers = {f"/{service}/{name}": h for name, h in handlers.items()}
+        self._factories = {f"/{service}/{name}": f for name, f in factories.items()}
         self._refuse = {path: grpc.unary_unary_rpc_method_handler(self._refuser(path.lstrip("/")))
-                        for path in self._handlers} if token else {}
+                        for path in self._factories} if token else {}
+        self.on_over_limit = on_over_limit
+        self._over_limit: Callable[[], bool] | None = None  # set by start_server
 
     @staticmethod
     def _refuser(where: str):
@@ -126,17 +146,23 @@ class _Service(grpc.GenericRpcHandler):
     def service_name(self) -> str:
         return self._service
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method
-        handler = self._handlers.get(method)
-        if handler is None or self._token is None:
-            return handler
+    def _authorized(self, handler_call_details: grpc.HandlerCallDetails) -> bool:
         for key, value in handler_call_details.invocation_metadata or ():
             if key == GRPC_AUTH_METADATA:
-                if grpc_token_matches(value, self._token):
-                    return handler
-                break
-        return self._refuse[method]
+                return grpc_token_matches(value, self._token)
+        return False
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        arrived = time.monotonic()
+        method = handler_call_details.method
+        make = self._factories.get(method)
+        if make is None:
+            return None
+        if self._token is not None and not self._authorized(handler_call_details):
+            return self._refuse[method]
+        if self.on_over_limit is not None and self._over_limit is not None and self._over_limit():
+            self.on_over_limit(method.rsplit("/", 1)[-1])  # gRPC answers it RESOURCE_EXHAUSTED next
+        return make(arrived)
 
 
 def error_status(exc: Exception) -> tuple[str, str]:
@@ -191,7 +217,7 @@ def serve(
             handler, request_deserializer=_unpack_request, response_serializer=_pack
         )
 
-    handlers = _Service(service, {n: wrap(n, f) for n, f in methods.items()}, token)
+    handlers = Service(service, {n: fixed(wrap(n, f)) for n, f in methods.items()}, token)
     server = start_server(handlers, host, port, tls, max_workers=max_workers, thread_name_prefix="persia-grpc")
     return server, server.port
 
@@ -259,6 +285,8 @@ def start_server(
         options.append(("grpc.max_receive_message_length", int(max_receive_bytes)))
     executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
     server = grpc.server(executor, options=options, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
+    if isinstance(handlers, Service) and maximum_concurrent_rpcs is not None:
+        handlers._over_limit = _limit_reached(server)
     server.add_generic_rpc_handlers([handlers])
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:  # grpcio answers a failed bind with 0 in older releases, RuntimeError in newer ones
@@ -271,6 +299,26 @@ def start_server(
         raise OSError(f"cannot bind gRPC {handlers.service_name()} to {host}:{port} (port in use?)")
     server.start()
     return Server(server, executor, bound)
+
+
+def _limit_reached(server: grpc.Server) -> Callable[[], bool] | None:
+    """Whether ``server`` is about to refuse the call whose handler it is looking up because
+    ``maximum_concurrent_rpcs`` calls are in progress. gRPC (``grpc._server._handle_call``) looks the
+    handler up and decides the refusal under one hold of its state lock, from the same count, so
+    this read, made in :meth:`Service.service`, sees the count the decision is made on. gRPC offers
+    no hook or counter for these refusals; this reads its private state, and where that is not
+    there (another grpcio), returns None: refusals are then not counted, never miscounted."""
+    state = getattr(server, "_state", None)
+    if state is None or not hasattr(state, "active_rpc_count") or not hasattr(state, "maximum_concurrent_rpcs"):
+        log.warning("this grpcio (%s) does not expose its call count: calls it refuses over "
+                    "maximum_concurrent_rpcs are not counted", grpc.__version__)
+        return None
+
+    def reached() -> bool:
+        limit = state.maximum_concurrent_rpcs
+        return limit is not None and state.active_rpc_count >= limit
+
+    return reached
 
 
 class Client:

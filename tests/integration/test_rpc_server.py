@@ -8,12 +8,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import numpy as np
 import pytest
 
 from persia import rpc
 from persia.errors import RemoteError
-from persia.security import GrpcTls
+from persia.security import GrpcTls, grpc_token
 
 from tests.polling import poll_until
 from tests.ports import free_ports
@@ -122,3 +123,37 @@ def test_a_client_reaches_a_server_that_came_up_late_within_seconds():
         client.close()
         if server is not None:
             server.stop(None)
+
+
+def test_a_service_makes_each_handler_as_its_call_arrives_after_the_credential_check():
+    """``rpc.Service`` is both the fixed table of ``rpc.serve`` and the model server's per-call
+    handler factories: a factory is called once per call, with the call's arrival time, and only
+    for a call that carries the job's credential (one without is refused UNAUTHENTICATED and makes
+    nothing)."""
+    made: list[float] = []
+
+    def make(arrived: float) -> grpc.RpcMethodHandler:
+        made.append(arrived)
+        return grpc.unary_unary_rpc_method_handler(lambda req, _ctx: {"arrived": arrived},
+                                                   request_deserializer=rpc._unpack_request,
+                                                   response_serializer=rpc._pack)
+
+    service = rpc.Service("persia.Made", {"When": make}, token=grpc_token(b"s1"))
+    server = rpc.start_server(service, "127.0.0.1", 0, GrpcTls(), max_workers=2, thread_name_prefix="persia-grpc")
+    member = rpc.Client(f"127.0.0.1:{server.port}", "persia.Made", secret=b"s1")
+    stranger = rpc.Client(f"127.0.0.1:{server.port}", "persia.Made", secret=None)
+    other = rpc.Client(f"127.0.0.1:{server.port}", "persia.Other", secret=b"s1")
+    try:
+        before = time.monotonic()
+        answers = [member.call("When", None, timeout=10)["arrived"] for _ in range(2)]
+        assert made == answers and before <= answers[0] < answers[1] <= time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            stranger.call("When", None, timeout=10)
+        assert info.value.kind == "UNAUTHENTICATED" and len(made) == 2
+        with pytest.raises(RemoteError) as info:  # another service's method: not ours (UNIMPLEMENTED)
+            other.call("When", None, timeout=10)
+        assert info.value.kind == "UNIMPLEMENTED"
+    finally:
+        for client in (member, stranger, other):
+            client.close()
+        server.stop(None)

@@ -34,7 +34,10 @@ HANDLER_THREADS = 8  # the gRPC pool: max(8, 4 * workers), workers=1 here
 
 class TinyModel(torch.nn.Module):
     def forward(self, non_id: List[torch.Tensor], emb: List[torch.Tensor]) -> torch.Tensor:
-        return emb[0][:, :1]
+        out = emb[0][:, :1]
+        for x in non_id:  # any number of dense features (a request's are never refused as unread)
+            out = out + 0.0 * x.sum(dim=1, keepdim=True)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +136,15 @@ def test_grpc_calls_beyond_the_queue_limit_are_refused_at_once(model_file):
             client.call("Predict", payload(), timeout=5.0)
         assert info.value.kind == "RESOURCE_EXHAUSTED", info.value
         assert time.monotonic() - t0 < 2.0
+        # gRPC's own refusal is counted as an overloaded request (HTTP's queue-full refusal is)
+        text = server.metrics.render().decode()
+        assert re.search(r'^persia_serving_errors_total\{kind="overloaded"[^}]*\} 1\.0$', text, re.MULTILINE), text
+        assert re.search(r'^persia_serving_requests_total\{code="503"[^}]*protocol="grpc"\} 1\.0$', text,
+                         re.MULTILINE), text
+        with pytest.raises(RemoteError) as info:  # a Ready call refused is not a request: not counted
+            client.call("Ready", None, timeout=5.0)
+        assert info.value.kind == "RESOURCE_EXHAUSTED", info.value
+        assert grpc_requests(server) == 1.0
         release.set()  # the 4 are answered (the worker refuses their lookup): the limit frees
         assert sorted(k for k, _ in calls.join()) == ["INVALID_ARGUMENT"] * 4
         with pytest.raises(RemoteError) as info:

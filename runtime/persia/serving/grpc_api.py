@@ -8,7 +8,8 @@ worker down UNAVAILABLE, timeout DEADLINE_EXCEEDED (``request_timeout_s``, or th
 when shorter: it bounds the request, its lookup included), other INTERNAL.
 
 Limits, as HTTP's: at most ``max_queue`` calls at once, those waiting for a handler thread
-included (gRPC answers one more RESOURCE_EXHAUSTED at once, never queues it); a request message
+included (gRPC answers one more RESOURCE_EXHAUSTED at once, never queues it; a ``Predict`` so
+refused is counted as an ``overloaded`` request, :class:`persia.rpc.Service`); a request message
 over ``max_request_bytes`` is refused RESOURCE_EXHAUSTED by gRPC before it is decoded. A call's
 ``request_timeout_s`` counts from its arrival, not from when a handler thread takes it: one that
 waited for a thread past its deadline (or the caller's) is answered DEADLINE_EXCEEDED at once,
@@ -108,24 +109,18 @@ def start_grpc(server: Any, host: str, port: int, tls: GrpcTls | None = None):
 
         return make
 
+    def over_limit(method: str) -> None:
+        if method == "Predict":  # counted as HTTP counts its queue-full refusals; Ready calls are not requests
+            server.count_refused("grpc", ServeError(
+                503, "overloaded", f"overloaded: {server.config.max_queue} gRPC calls in progress "
+                                   f"(max_queue); refused RESOURCE_EXHAUSTED by gRPC"))
+
     tls = GrpcTls.from_env() if tls is None else tls
-    handlers = _Service({f"/{SERVICE}/{n}": wrap(n, *spec) for n, spec in methods.items()})
+    # no job credential: the model server's clients are outside the job
+    handlers = rpc.Service(SERVICE, {n: wrap(n, *spec) for n, spec in methods.items()}, token=None,
+                           on_over_limit=over_limit)
     grpc_server = rpc.start_server(handlers, host, port, tls, max_workers=max(8, server.config.workers * 4),
                                    thread_name_prefix="serve-grpc",
                                    maximum_concurrent_rpcs=server.config.max_queue,
                                    max_receive_bytes=server.config.max_request_bytes)
     return grpc_server, grpc_server.port
-
-
-class _Service(grpc.GenericRpcHandler):
-    """``persia.ModelServer``'s methods, each handler made as its call arrives (see ``wrap``)."""
-
-    def __init__(self, makers: dict):
-        self._makers = makers
-
-    def service_name(self) -> str:
-        return SERVICE
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        make = self._makers.get(handler_call_details.method)
-        return None if make is None else make(time.monotonic())

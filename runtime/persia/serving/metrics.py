@@ -11,9 +11,13 @@ HTTP port; several servers in one process, as in tests, do not collide).
 ``persia_serving_errors_total``             failed requests by ``kind`` (bad_request, overloaded,
                                             unavailable (a server stopping too), internal, timeout)
 ``persia_serving_queue_depth``              requests waiting for a batch
-``persia_serving_model_loads_total``        model (re)loads by ``result`` (ok, failed)
+``persia_serving_model_loads_total``        model (re)loads by ``result`` (ok, failed, refused: it
+                                            does not take what the served model takes)
 ``persia_serving_model_loaded_timestamp_seconds`` when the served model was loaded
+``persia_serving_model_reload_refused``     1 while the newest model file is refused (the old serves)
 ``persia_serving_ready``                    1 when ready (model loaded, embedding workers answer)
+``persia_serving_embedding_worker_ready``   by ``embedding_worker`` (address): 1 when its ``Ready``
+                                            answered ready at the last readiness check
 ``persia_serving_http_connections``         HTTP connections open (at most max_connections)
 =========================================== ==========================================================
 
@@ -41,6 +45,8 @@ METRIC_NAMES = (
     "persia_serving_model_loaded_timestamp_seconds",
     "persia_serving_ready",
     "persia_serving_http_connections",
+    "persia_serving_model_reload_refused",
+    "persia_serving_embedding_worker_ready",
 )
 
 
@@ -74,6 +80,11 @@ class ServingMetrics:
                                   registry=r)
         self.ready = Gauge("persia_serving_ready", "1 when ready", registry=r)
         self.http_connections = Gauge("persia_serving_http_connections", "HTTP connections open", registry=r)
+        self.model_refused = Gauge("persia_serving_model_reload_refused",
+                                   "1 while the newest model file is refused (the old model serves)", registry=r)
+        self.embedding_worker_ready = Gauge("persia_serving_embedding_worker_ready",
+                                            "1 when the embedding worker answered ready at the last check",
+                                            ["embedding_worker"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(_WithJobLabel(self.registry, self.job))

@@ -2,7 +2,9 @@
 
 ``resolve_model_file`` is the pure choice of which file to serve; ``DenseModel`` polls it every
 ``poll_seconds`` and swaps the model in only once the new file loads (a half-written or broken
-file is logged, counted and retried at the next poll; the old model keeps serving).
+file is logged, counted and retried at the next poll; the old model keeps serving) and its
+``check`` passes (the model server's: the new model takes what the served one takes, else it is
+refused, said in ``refused``, and the old model keeps serving).
 """
 
 from __future__ import annotations
@@ -52,11 +54,20 @@ class DenseModel:
     """Holds the current ``torch.jit`` model; ``current()`` is safe from any thread."""
 
     def __init__(self, path: str | os.PathLike, poll_seconds: float = 5.0, device: str = "cpu",
-                 on_load: Callable[[bool], None] | None = None):
+                 on_load: Callable[[bool], None] | None = None,
+                 check: Callable[[torch.jit.ScriptModule], str | None] | None = None,
+                 on_refused: Callable[[str], None] | None = None):
+        """``check(new)``: why a model loaded to replace the served one must not be (None: swap it
+        in); a refused version keeps the old model serving, is reported in ``refused`` and to
+        ``on_refused(why)`` once, and is tried again when its file changes."""
         self.path = path
         self.poll_seconds = poll_seconds
         self.device = device
         self._on_load = on_load
+        self._check = check
+        self._on_refused = on_refused
+        #: the newest model version refused by ``check`` ("<file>: why"), until a model is swapped in
+        self.refused: str | None = None
         self._model: torch.jit.ScriptModule | None = None
         self.version: tuple | None = None
         self.loaded_at: float | None = None
@@ -94,7 +105,17 @@ class DenseModel:
             if self._on_load:
                 self._on_load(False)
             return False
+        why = self._check(model) if self._check is not None and self._model is not None else None
+        if why is not None:
+            self._failed_version = version  # not loaded and probed again every poll
+            self.refused = f"{target}: {why}"
+            log.error("refused to reload the model from %s (still serving %s; tried again when the file "
+                      "changes): %s", target, self.version[0] if self.version else "?", why)
+            if self._on_refused:
+                self._on_refused(self.refused)
+            return False
         self._model, self.version, self.loaded_at, self.last_error = model, version, time.time(), None
+        self.refused = None
         log.info("serving model %s", target)
         if self._on_load:
             self._on_load(True)

@@ -27,7 +27,8 @@ class ModelServer:
         self.config = config
         self.metrics = ServingMetrics()
         self.model = DenseModel(config.model, config.model_poll_seconds,
-                                on_load=self._on_model_load)
+                                on_load=self._on_model_load, check=self._check_reload,
+                                on_refused=self._on_model_refused)
         self.predictor = Predictor(config.embedding_workers, self.model, config.max_batch_size,
                                    on_model_call=self.metrics.batch_size.observe)
         # HTTP request bodies held at once, and JSON parsed one at a time (persia.serving.budget)
@@ -59,6 +60,14 @@ class ModelServer:
         self.metrics.model_loads.labels(result="ok" if ok else "failed").inc()
         if ok:
             self.metrics.model_loaded.set(time.time())
+            self.metrics.model_refused.set(0.0)
+
+    def _check_reload(self, candidate) -> str | None:
+        return self.predictor.check_reload(candidate)
+
+    def _on_model_refused(self, _why: str) -> None:
+        self.metrics.model_loads.labels(result="refused").inc()
+        self.metrics.model_refused.set(1.0)
 
     def predict(self, batch: PersiaBatch, protocol: str, timeout_s: float | None = None,
                 started: float | None = None) -> np.ndarray:
@@ -104,6 +113,11 @@ class ModelServer:
             self.metrics.ready.set(0.0)
             return False, "stopping"
         ok, why = self.predictor.readiness()
+        for address, up in self.predictor.worker_ready.items():
+            self.metrics.embedding_worker_ready.labels(embedding_worker=address).set(1.0 if up else 0.0)
+        refused = self.model.refused
+        if ok and refused is not None:  # the old model serves on: ready, but the refusal is said
+            why = f"{why}; refused to reload the model: {refused}"
         self.metrics.ready.set(1.0 if ok else 0.0)
         return ok, why
 
