@@ -227,9 +227,9 @@ class FakeWorker:
     (["UNAVAILABLE"], False, "w0"),  # alone: nothing to fail over to
     ([False, True], False, "w0: PS replica 0 not loaded"),  # answers, but its lookups fail (no failover)
     (["DEADLINE_EXCEEDED", True], False, "w0"),  # hangs: its lookups time out
-    (["UNAVAILABLE", "UNAVAILABLE", True], False, "w1, which is down too"),  # w0's fail over to w1 only
+    (["UNAVAILABLE", "UNAVAILABLE", True], True, "1 of 3"),  # w0's and w1's go on to w2
     (["UNAVAILABLE", True, True], True, "2 of 3"),
-    (["UNAVAILABLE", True, "UNAVAILABLE"], False, "w0, which is down too"),  # w2's fail over to w0
+    (["UNAVAILABLE", True, "UNAVAILABLE"], True, "1 of 3"),  # w2's go on through w0 to w1
 ])
 def test_readiness_with_several_embedding_workers(answers, ready, named):
     from persia.serving.predictor import Predictor

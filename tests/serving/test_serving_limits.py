@@ -63,6 +63,14 @@ def post(url: str, data: bytes, ctype: str = "application/json", timeout: float 
         return exc.code, exc.read()
 
 
+def get(url: str, timeout: float = 20.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
 def strict_json(raw: bytes):
     """JSON as the standard has it: a bare NaN or Infinity fails."""
     def refuse(name):
@@ -464,3 +472,16 @@ def test_an_unreachable_embedding_worker_is_failed_over(model_file, worker_addre
         for _ in range(4):  # round-robin: every other lookup goes to the dead worker first
             status, raw = post(url, json.dumps(body([[1.0, 0.0]])).encode())
             assert status == 200, raw
+
+
+def test_lookups_fail_over_through_every_unreachable_worker_to_one_that_answers(model_file, worker_address):
+    """Two workers down ahead of the live one: before, a lookup was tried on the next worker only,
+    so the one that started on the first dead worker failed (a third of the requests)."""
+    with refusing_port() as a, refusing_port() as b, \
+            model_server([f"127.0.0.1:{a}", f"127.0.0.1:{b}", worker_address], model_file) as server:
+        url = f"http://127.0.0.1:{server.http_port}/v1/predict"
+        for _ in range(6):  # round-robin: each start, twice
+            status, raw = post(url, json.dumps(body([[1.0, 0.0]])).encode())
+            assert status == 200, raw
+        status, raw = get(f"http://127.0.0.1:{server.http_port}/ready")
+        assert status == 200 and b"1 of 3 embedding workers answer" in raw, raw

@@ -323,21 +323,25 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
 
         ``timeout``: seconds for the whole lookup (a worker that does not answer in time fails it
         with DEADLINE_EXCEEDED). ``failover`` (the model server): a worker answering UNAVAILABLE
-        is retried once on the next worker with the time left, instead of failing the batch."""
+        (down, unreachable) is left for the next one in the list, and so on through every worker,
+        with the time left, instead of failing the batch: one worker that answers serves them all."""
         request = {"batch_size": batch.batch_size, "features": id_features_to_wire(batch)}
         end = time.monotonic() + timeout
         worker = self._next_worker()
-        try:
-            resp = worker.call("LookupDirect", request, timeout=timeout)
-        except RemoteError as exc:
-            workers = self._worker_clients()
+        workers = self._worker_clients()
+        start = workers.index(worker)
+        for attempt in range(len(workers)):
+            worker = workers[(start + attempt) % len(workers)]
             left = end - time.monotonic()
-            if not failover or exc.kind != "UNAVAILABLE" or len(workers) < 2 or left <= 0:
-                raise
-            other = workers[(workers.index(worker) + 1) % len(workers)]
-            log.info("embedding worker %s unavailable, looking up on %s: %s", worker.address, other.address,
-                     exc.remote_message)
-            resp = other.call("LookupDirect", request, timeout=left)
+            try:
+                resp = worker.call("LookupDirect", request, timeout=timeout if attempt == 0 else left)
+                break
+            except RemoteError as exc:
+                last = attempt == len(workers) - 1
+                if not failover or exc.kind != "UNAVAILABLE" or last or end - time.monotonic() <= 0:
+                    raise
+                log.info("embedding worker %s unavailable, looking up on %s: %s", worker.address,
+                         workers[(start + attempt + 1) % len(workers)].address, exc.remote_message)
         return PersiaTrainingBatch(
             non_id_type_features=[np.asarray(f.data) for f in batch.non_id_type_features],
             non_id_type_feature_names=[f.name for f in batch.non_id_type_features],

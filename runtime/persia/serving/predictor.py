@@ -272,11 +272,11 @@ class Predictor:
         """(ready, why): a model is loaded and every request can be looked up (cached ``max_age_s``).
 
         Each embedding worker is asked ``Ready`` (at once, 3 s at most): ready when its PS replicas
-        answer (loaded), each the replica its position says. One that does not answer at all
-        (UNAVAILABLE: down, unreachable) is tolerated while the worker after it answers ready:
-        lookups it would get fail over to that one. One that answers not ready, or does not answer
-        in time, fails lookups without failover, so it makes the server not ready. ``why`` names
-        every worker that is down (``worker_ready`` has each one's state)."""
+        answer (loaded), each the replica its position says. Those that do not answer at all
+        (UNAVAILABLE: down, unreachable) are tolerated while another answers ready: the lookups
+        they would get fail over through the list to one that answers. One that answers not ready,
+        or does not answer in time, fails lookups without failover, so it makes the server not
+        ready. ``why`` names every worker that is down (``worker_ready`` has each one's state)."""
         with self._ready_lock:
             if time.monotonic() - self._ready_at < max_age_s:
                 return self._ready
@@ -325,12 +325,7 @@ class Predictor:
                 failing + [f"embedding worker {d}" for d in down.values()]))
         if failing:
             return False, failing[0]
-        stranded = [i for i in down if not up[(i + 1) % len(workers)]]
-        if stranded:  # its lookups fail over only to the next worker, itself down
-            i = stranded[0]
-            return False, (f"embedding worker {down[i]}; its lookups fail over to "
-                           f"{workers[(i + 1) % len(workers)].address}, which is down too")
-        if down:
+        if down:  # their lookups go on through the list to one that answers
             return True, (f"ready: {sum(up)} of {len(workers)} embedding workers answer, lookups fail over "
                           f"from those down: " + "; ".join(down.values()))
         return True, "ready"
