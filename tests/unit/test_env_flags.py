@@ -42,6 +42,7 @@ def test_an_empty_variable_is_unset(monkeypatch):
 @pytest.mark.parametrize("argv, flag, value, allowed", [
     (["embedding-parameter-server", "--port", "70000"], "--port", "70000", "from 0 to 65535"),
     (["embedding-worker", "--ps-port", "-1"], "--ps-port", "-1", "from 0 to 65535"),
+    (["serve", "--grpc-port", "-5"], "--grpc-port", "-5", "from -1 to 65535"),  # -1: no gRPC
     (["embedding-worker", "--ps-replica-size", "0"], "--ps-replica-size", "0", ">= 1"),
     (["nn-worker", "t.py", "--nnodes", "0"], "--nnodes", "0", ">= 1"),
     (["nn-worker", "t.py", "--node-rank", "-1"], "--node-rank", "-1", ">= 0"),

@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 
-from persia.env import env_flag, grace_period_s
+from persia.env import env_flag, grace_period_s, int_arg
 
 log = logging.getLogger("persia.serving")
 
@@ -29,7 +29,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="host:port of an inference embedding worker (repeat, or comma-separate); "
                         "env PERSIA_SERVE_EMBEDDING_WORKERS, else PERSIA's EMBEDDING_WORKER_SERVICE")
     p.add_argument("--http-port", **env_flag("PERSIA_SERVE_HTTP_PORT", int, "integer", 8080))
-    p.add_argument("--grpc-port", **env_flag("PERSIA_SERVE_GRPC_PORT", int, "integer", 8081),
+    p.add_argument("--grpc-port", **env_flag("PERSIA_SERVE_GRPC_PORT", int_arg(-1, 65535), "port", 8081),
                    help="-1 disables gRPC")
     p.add_argument("--max-batch-size", **env_flag("PERSIA_SERVE_MAX_BATCH_SIZE", int, "integer", 512))
     p.add_argument("--max-latency-ms", **env_flag("PERSIA_SERVE_MAX_LATENCY_MS", float, "number", 5.0))
