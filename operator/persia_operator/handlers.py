@@ -29,7 +29,7 @@ from .config import OperatorConfig
 from .events import JobEvent
 from .kube import ApiError, KubeApi
 from .natswatch import NatsWatcher
-from .reconciler import Reconciler, event_manifest
+from .reconciler import Reconciler, event_manifest, managed_here
 
 # Child kinds the operator watches: (kind, group, version, plural).
 CHILD_RESOURCES = (
@@ -164,8 +164,12 @@ def register(
     jobs_ready = asyncio.Event()  # kopf runs resource handlers only once indexes are filled
 
     @kopf.index(C.GROUP, C.VERSION, C.PLURAL, id="persia_persiajobs", registry=registry)
-    def index_job(namespace: str, name: str, meta: Any, **_: Any) -> dict[tuple[str, str], str | None]:
-        """The job's resourceVersion: a finished job is read again only once it changes."""
+    def index_job(namespace: str, name: str, meta: Any, body: Any, **_: Any) -> dict[tuple[str, str], str | None]:
+        """The job's resourceVersion: a finished job is read again only once it changes. A job of
+        another controller (spec.managedBy) is not in it: the periodic loop read every such job
+        every round, only to find it was not this operator's."""
+        if not managed_here(body):
+            return {}
         return {(namespace, name): meta.get("resourceVersion")}
 
     @kopf.on.startup(registry=registry)
@@ -250,9 +254,13 @@ def register(
 
     resource = (C.GROUP, C.VERSION, C.PLURAL)
 
-    @kopf.on.create(*resource, id="reconcile-on-create", registry=registry)
-    @kopf.on.resume(*resource, id="reconcile-on-resume", registry=registry)
-    @kopf.on.update(*resource, field="spec", id="reconcile-on-update", registry=registry)
+    def ours(body: Any, **_: Any) -> bool:
+        """Not a job of another controller: its events are not even read."""
+        return managed_here(body)
+
+    @kopf.on.create(*resource, id="reconcile-on-create", when=ours, registry=registry)
+    @kopf.on.resume(*resource, id="reconcile-on-resume", when=ours, registry=registry)
+    @kopf.on.update(*resource, field="spec", id="reconcile-on-update", when=ours, registry=registry)
     async def on_change(namespace: str, name: str, logger: Any, **kwargs: Any) -> None:
         jobs_ready.set()
         await reconcile(namespace, name, logger, kwargs)

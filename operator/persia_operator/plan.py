@@ -75,6 +75,24 @@ def _stale_config(job: str, manifests: list[dict[str, Any]], children: Children,
     return None
 
 
+def _stale_nats_config(job: str, manifests: list[dict[str, Any]], children: Children) -> Patch | None:
+    """The managed NATS's ConfigMap rewritten, when its content is not what the spec renders and
+    the NATS StatefulSet is not there (suspending deletes it; "suspend, edit, resume" applies every
+    change): it was only ever created, so `nats.replicas` 1 -> 3 resumed three servers without a
+    `cluster` block (no routes), and a new `maxPayload` never reached the servers. Never while
+    the NATS runs: a server restarted then would run another configuration than its peers."""
+    nats = children.workload("StatefulSet", naming.nats_name(job))
+    if nats is not None:
+        return None  # running, or being deleted (then rewritten once it is gone)
+    name = naming.nats_config_name(job)
+    for m in manifests:
+        if m["kind"] == "ConfigMap" and m["metadata"]["name"] == name:
+            have = children.data_hashes.get(name)
+            if have is not None and have != data_hash(m["data"]):
+                return Patch("ConfigMap", name, {"data": m["data"]})
+    return None
+
+
 def _pod_group_resize(manifest: dict[str, Any], children: Children) -> Patch | None:
     """The job's PodGroup set to the job's size after a replica change: it was only ever
     created, so a job scaled down kept a minMember larger than its pods (the gang never
@@ -154,6 +172,9 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
     config = _stale_config(meta.name, manifests, children, current)
     if config is not None:
         actions.append(config)
+    nats_config = _stale_nats_config(meta.name, manifests, children)
+    if nats_config is not None:
+        actions.append(nats_config)
     for manifest in manifests:
         kind, name = manifest["kind"], manifest["metadata"]["name"]
         if kind in ("StatefulSet", "Job", "Deployment"):
@@ -162,6 +183,8 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
                 role = (manifest["metadata"].get("labels") or {}).get(C.LABEL_ROLE)
                 if config is not None and role in C.TRAINING_ROLES:
                     continue  # created once the new configs show (a pass later): none reads the old
+                if nats_config is not None and role == C.ROLE_NATS:
+                    continue  # likewise the NATS and its configuration
                 actions.append(Create(manifest))
             elif w.deleting or (w.role in C.TRAINING_ROLES and w.attempt != current):
                 continue  # re-created once the old one is gone
@@ -178,4 +201,10 @@ def plan_actions(meta: JobMeta, status: JobStatus, children: Children, now: date
                 actions.append(resize)
     if ("Secret", naming.auth_secret_name(meta.name)) not in children.objects:
         actions.append(Create(render_auth_secret(job, token(), token(), token())))
+        # Its NATS started with the credentials that went with it: replaced, it reads the new ones
+        # (derive_status restarted the job for the same reason: status.credentials_lost).
+        nats = children.workload("StatefulSet", naming.nats_name(meta.name))
+        if nats is not None and not nats.deleting and any(
+                p.role == C.ROLE_NATS and p.started and not p.deleting for p in children.pods):  # fmt: skip
+            actions.append(Delete("StatefulSet", nats.name, "its Secret was deleted: the NATS restarts with new credentials"))
     return actions

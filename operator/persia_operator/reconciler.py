@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -319,12 +319,14 @@ class Reconciler:
                 logger.debug(f"Could not post event {event.reason}: {err}")
 
 
-def managed_here(body: dict[str, Any]) -> bool:
+def managed_here(body: Mapping[str, Any]) -> bool:
     """spec.managedBy unset or this operator's: a job managed by another controller
-    (e.g. MultiKueue) is left alone entirely."""
+    (e.g. MultiKueue) is left alone entirely. (``body``: a dict, or kopf's view of one.)"""
     accepted = (body.get("status") or {}).get("acceptedSpec")
-    spec = accepted if isinstance(accepted, dict) else body.get("spec") or {}
-    return spec.get("managedBy") in (None, C.MANAGED_BY_VALUE)  # a later edit is a rejected change
+    spec = accepted if isinstance(accepted, Mapping) else body.get("spec") or {}
+    # A later edit is a rejected change. An empty one is a slip, not another controller's name:
+    # this operator's job, refused with InvalidSpec (it was ignored for ever, without a word).
+    return spec.get("managedBy") in (None, "", C.MANAGED_BY_VALUE)
 
 
 def _ordered(errors: Iterable[ChildError]) -> list[ChildError]:

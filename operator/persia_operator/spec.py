@@ -52,6 +52,15 @@ class EnvVar(_Model):
         None, description="core/v1 EnvVarSource (fieldRef, secretKeyRef, ...)."
     )
 
+    @field_validator("name")
+    @classmethod
+    def _printable_without_equals(cls, name: str) -> str:
+        """What every API server refuses in a container's env (1.32's relaxed rule; older ones
+        refuse more): refused when the workload was created, naming its container, not this field."""
+        if "=" in name or not all(" " <= ch <= "~" for ch in name):
+            raise ValueError(f"an environment variable name must be printable ASCII without '=', got {name!r}")
+        return name
+
 
 _ENV_LIST = {"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]}
 _NAMED_ITEMS = {
@@ -165,6 +174,19 @@ class TemplateMetadata(_Model):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+_OVERLAY_NAMED_LISTS = ("containers", "initContainers", "ephemeralContainers", "volumes", "imagePullSecrets",
+                        "resourceClaims")  # fmt: skip
+_CONTAINER_NAMED_LISTS = ("env", "volumeMounts")
+
+
+def _named_items(items: Any, where: str) -> list[str]:
+    """Problems of a list of named objects (`where`: its path under the template's spec)."""
+    if not isinstance(items, list):
+        return [f"{where} must be a list, got {items!r:.200}"]
+    return [f"{where}[{n}] must be an object with a name, got {item!r:.200}" for n, item in enumerate(items)
+            if not (isinstance(item, dict) and isinstance(item.get("name"), str) and item["name"])]  # fmt: skip
+
+
 class PodTemplateOverlay(_Model):
     """Merged over the rendered pod template of a role (see docs/operator.md)."""
 
@@ -177,12 +199,90 @@ class PodTemplateOverlay(_Model):
         ),
     )
 
+    @field_validator("spec")
+    @classmethod
+    def _named_lists_are_named(cls, spec: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The lists merged by name hold named objects. A volume given as a string made the
+        operator's own checks crash (no status, a ReconcileFailed event on every pass), and a
+        container list given as a string went to the API server, refused there naming the
+        StatefulSet, not this field."""
+        problems: list[str] = []
+        for key in _OVERLAY_NAMED_LISTS:
+            if spec and spec.get(key) is not None:
+                found = _named_items(spec[key], key)
+                problems += found
+                if not found and key.endswith(("ontainers", "Containers")):
+                    for container in spec[key]:
+                        problems += [p for field in _CONTAINER_NAMED_LISTS if container.get(field) is not None
+                                     for p in _named_items(container[field], f"{key}[{container['name']}].{field}")]  # fmt: skip
+        if problems:
+            raise ValueError("; ".join(problems))
+        return spec
+
 
 _REPLICAS_RULE = _cel(
     f"self.replicas >= 1 && self.replicas <= {C.MAX_REPLICAS}",
     f"replicas must be between 1 and {C.MAX_REPLICAS}",
     ".replicas",
 )
+
+
+# A Kubernetes resource.Quantity as the API server parses it: a decimal number and a binary
+# (Ki..Ei), decimal SI (n..E) or exponent (e3, E-2) suffix. Kept strict on purpose: anything
+# else is refused by the API server when the workload is created, with a message that names
+# the StatefulSet's container, not the PersiaJob's field.
+_QUANTITY = re.compile(r"^\+?(?P<num>[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+                       r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")  # fmt: skip
+_SUFFIXES = {"": 1, "n": 1e-9, "u": 1e-6, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15,
+             "E": 1e18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}  # fmt: skip
+
+
+def parse_quantity(value: Any) -> float:
+    """The value of a Kubernetes quantity (``"1.5Gi"``, ``"500m"``, ``2``); ValueError if it is not one
+    the API server takes for a resource (negative ones included)."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError("not a quantity")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("negative")
+        return float(value)
+    match = _QUANTITY.match(value.strip() if value.strip() == value else "")
+    if match is None:
+        raise ValueError("not a quantity")
+    suffix = match["suffix"] or ""
+    scale = _SUFFIXES.get(suffix) or 10.0 ** int(suffix[1:])
+    return float(match["num"]) * scale
+
+
+def check_resources(resources: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A core/v1 ResourceRequirements' limits and requests: every value a quantity, no request above
+    its limit (the API server refuses both, but only when the workload is created, naming its
+    container: the NATS, Services and ConfigMaps were created, and the job failed with
+    ChildCreateFailed instead of naming the PersiaJob's field)."""
+    if resources is None:
+        return None
+    problems = []
+    parsed: dict[str, dict[str, float]] = {}
+    for section in ("limits", "requests"):
+        values = resources.get(section)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            problems.append(f"{section} must be a map of resource name to quantity, got {values!r}")
+            continue
+        for name, value in values.items():
+            try:
+                parsed.setdefault(section, {})[name] = parse_quantity(value)
+            except ValueError:
+                problems.append(f"{section}.{name} must be a non-negative quantity such as 500m, 2 or 4Gi, got {value!r}")
+    for name, request in parsed.get("requests", {}).items():
+        limit = parsed.get("limits", {}).get(name)
+        if limit is not None and request > limit:
+            problems.append(f"requests.{name} {resources['requests'][name]!r} is more than limits.{name} "
+                            f"{resources['limits'][name]!r}")  # fmt: skip
+    if problems:
+        raise ValueError("; ".join(problems))
+    return resources
 
 
 class RoleSpec(_Model):
@@ -217,6 +317,11 @@ class RoleSpec(_Model):
     def _unique_env(cls, env: list[EnvVar]) -> list[EnvVar]:
         return _check_env_names(env)
 
+    @field_validator("resources")
+    @classmethod
+    def _quantities(cls, resources: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_resources(resources)
+
     @field_validator("volume_mounts")
     @classmethod
     def _mounts_named(cls, mounts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -237,6 +342,16 @@ class NNWorkerSpec(RoleSpec):
             "workers exchange tensors through it); unset: no limit but the pod's memory."
         ),
     )
+
+    @field_validator("shm_size")
+    @classmethod
+    def _shm_quantity(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                parse_quantity(value)
+            except ValueError:
+                raise ValueError(f"must be a non-negative quantity such as 8Gi, got {value!r}") from None
+        return value
 
     def gpus(self) -> int:
         """GPUs requested per pod (limits, else requests), 0 when none."""
@@ -341,6 +456,12 @@ class NatsSpec(_Model):
         None, description="Managed NATS container resources (default: see docs/operator.md)."
     )
     template: PodTemplateOverlay | None = None
+
+    @field_validator("resources")
+    @classmethod
+    def _quantities(cls, resources: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_resources(resources)
+
     auth: NatsAuth | None = Field(
         None,
         description=(
@@ -658,6 +779,7 @@ class PersiaJobSpec(_Model):
     scheduling: Scheduling = Field(default_factory=Scheduling)
     managed_by: str | None = Field(
         None,
+        min_length=1,
         description=(
             "Controller that reconciles this job; the operator leaves jobs managed by another "
             f"controller alone (default and {C.MANAGED_BY_VALUE!r}: this operator). Immutable."

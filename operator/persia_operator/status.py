@@ -22,7 +22,7 @@ from .conditions import derive_phase, parse_time, set_condition, timestamp
 from .job import JobStatus, PersiaJob, ReplicaStatus
 from .render import RUN_TO_COMPLETION_ROLES, render, workload_kind
 from .natsinfo import NatsObservation, redact
-from .spec import JobMeta, PersiaJobSpec, SpecError, check_job_name, parse_spec
+from .spec import JobMeta, PersiaJobSpec, SpecError, check_job_name, check_queue_label, parse_spec
 
 
 class ObservedJob(BaseModel):
@@ -137,6 +137,10 @@ def _seconds_since(now: datetime, then: str | None) -> float | None:
     return None if start is None else (now - start).total_seconds()
 
 
+# runPolicy fields that still act once a job finished (its cleanup, its deletion)
+FINISHED_JOB_POLICY = ("ttlSecondsAfterFinished", "cleanPodPolicy")
+
+
 class _Pass:
     """One derivation: the next status, built up step by step from the previous one."""
 
@@ -219,6 +223,46 @@ class _Pass:
         ]
         if restart_for:
             self.new_attempt("ReplicasChanged", f"restarting with new replica counts: {', '.join(restart_for)}")
+
+    def after_finish(self) -> None:
+        """A finished job's cleanup and TTL follow the spec (runPolicy is read on every pass): set
+        on a finished job, which is how one cleans it up, they were ignored, its acceptedSpec sticky
+        with the rest of its status. An invalid spec changes nothing."""
+        if self.st.accepted_spec is None:
+            return
+        try:
+            wanted = parse_spec(self.job.spec).run_policy.model_dump(by_alias=True, mode="json", exclude_none=True)
+        except SpecError:
+            return
+        policy = dict(self.st.accepted_spec.get("runPolicy") or {})
+        for key in FINISHED_JOB_POLICY:
+            if key in wanted:
+                policy[key] = wanted[key]
+            else:
+                policy.pop(key, None)
+        self.st.accepted_spec = {**self.st.accepted_spec, "runPolicy": policy}
+
+    def credentials_lost(self) -> bool:
+        """The job's Secret (`<job>-auth`: the managed NATS's credentials, the job secret) is gone
+        while pods that read it run: it is created again with new random values, which the running
+        NATS and pods do not have. Re-created silently, the next container restart read the new
+        password (refused by the NATS) or job secret (its signed controls refused by its peers),
+        and a whole-job restart did not help since the NATS stayed. So the job restarts (not
+        counted: nothing failed), and plan_actions replaces the NATS with the Secret."""
+        secret = naming.auth_secret_name(self.name)
+        if ("Secret", secret) in self.children.objects or self.st.attempt != self.job.status.attempt:
+            return False  # there, or this pass restarts the job already
+        current = str(self.st.attempt)
+        holders = [p.name for p in self.children.pods if p.started and not p.deleting and
+                   (p.role == C.ROLE_NATS or (p.role in C.TRAINING_ROLES and p.attempt == current))]  # fmt: skip
+        if not holders:
+            return False  # nothing read it yet: it is just created
+        self.st.uncounted_restarts += 1
+        self.new_attempt("SecretReplaced",
+                         f"restart not counted against backoffLimit: Secret {secret} was deleted; it is created "
+                         f"with new credentials and the NATS and every role restart with them "
+                         f"({', '.join(holders[:3])}{' ...' if len(holders) > 3 else ''} held the old ones)")  # fmt: skip
+        return True
 
     def outcome(self, spec: PersiaJobSpec) -> None:
         """Success of the current attempt, else its failures: fail or restart."""
@@ -340,6 +384,12 @@ class _Pass:
         if url is None and url_secret is not None:  # the URL itself is not shown: it may hold credentials
             url = f"the PERSIA_NATS_URL in Secret {url_secret[0]}"
         if self.nats is None:
+            last = self.st.condition(C.COND_NATS_READY)
+            if last is not None and last.reason in ("ExternalNats", "NatsUnreachable"):
+                # Not probed by this operator process yet (it restarted, or a new leader took
+                # over): the last verdict stands until its first probe, a few seconds later.
+                # Reported as not checked, a healthy job went not Ready at every operator restart.
+                return last.status == "True"
             self.cond(C.COND_NATS_READY, False, "NatsNotChecked", f"no connection to {url} tried yet")
             return False
         if not self.nats.connected:
@@ -376,7 +426,8 @@ def derive_status(
     `nats` the latest probe of the job's NATS (None: none yet)."""
     p = _Pass(job, children, now, nats)
     prev = job.status
-    if prev.terminal():  # sticky: only the counts move
+    if prev.terminal():  # sticky: only the counts move, and what applies to a finished job
+        p.after_finish()
         running = effective_job(job.metadata, p.st)
         if running is not None:
             p.st.replica_statuses = count_replicas(running.spec, p.name, children, p.st.attempt)
@@ -389,6 +440,8 @@ def derive_status(
     locked = prev.start_time is not None and not prev.is_true(C.COND_SUSPENDED)
     acceptance = accept_spec(job.spec, prev.accepted_spec, locked=locked)
     name_problems = check_job_name(p.name)
+    if prev.accepted_spec is None:  # before it starts: a label added to a running job changes nothing
+        name_problems += check_queue_label(job.metadata.labels)
     if acceptance.spec is None or name_problems:
         message = f"invalid spec: {'; '.join([*name_problems, *([acceptance.error] if acceptance.error else [])])}"
         p.cond(C.COND_CREATED, False, "InvalidSpec", message)
@@ -404,7 +457,8 @@ def derive_status(
     p.start(resumed=prev.is_true(C.COND_SUSPENDED))
     if locked:
         p.resize(spec, acceptance.replica_changes)
-    p.outcome(spec)
+    if not p.credentials_lost():
+        p.outcome(spec)
     p.checkpoint()
     missing = p.created(spec, errors)
     p.readiness(spec, missing)

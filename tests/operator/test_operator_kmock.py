@@ -297,3 +297,23 @@ async def test_a_resize_sets_the_pod_group_to_the_new_size(cluster, operator):
     await wait_for(lambda: at_attempt(cluster, 1), what="the new attempt's workloads")
     assert cluster.get("batch/v1/jobs", NS, "demo-nn-worker")["spec"]["completions"] == 1
     assert cluster.get(group, NS, "demo-gang")["spec"]["queue"] == "gpu"  # a merge patch: the rest stays
+
+
+async def test_a_deleted_auth_secret_restarts_nats_and_the_job(cluster, operator):
+    # KMock cannot: garbage-collect the old NATS pods (a real API server deletes them with the
+    # StatefulSet); nor does it run pods that read the Secret: the credentials are compared here.
+    await running_job(cluster)
+    old_secret = cluster.get("v1/secrets", NS, "demo-auth")
+    nats_uid = cluster.get("apps/v1/statefulsets", NS, "demo-nats")["metadata"]["uid"]
+    assert await cluster.delete("v1/secrets", NS, "demo-auth") == 200
+    await wait_for(lambda: cluster.status(NS, NAME).get("attempt") == 1, what="a new attempt")
+    assert cluster.condition(NS, NAME, C.COND_RESTARTING)["reason"] == "SecretReplaced"
+    assert cluster.status(NS, NAME)["restartCount"] == 0 and cluster.status(NS, NAME)["uncountedRestarts"] == 1
+    new_secret = await wait_for(lambda: cluster.get("v1/secrets", NS, "demo-auth"), what="the Secret re-created")
+    assert new_secret["metadata"]["uid"] != old_secret["metadata"]["uid"]
+    await wait_for(lambda: (cluster.get("apps/v1/statefulsets", NS, "demo-nats") or {}).get("metadata", {}).get("uid")
+                   not in (None, nats_uid), what="the NATS replaced")  # fmt: skip
+    await wait_for(lambda: at_attempt(cluster, 1), what="attempt 1 workloads")
+    await start_pods(cluster, NS, NAME)
+    await wait_for(lambda: phase(cluster) == "Running", what="running again")
+    assert cluster.status(NS, NAME)["attempt"] == 1  # one restart

@@ -198,3 +198,30 @@ async def test_a_finished_job_is_not_read_every_round(cluster, operator):
     await wait_for(lambda: operator_reads(cluster, "done") > before, what="the changed job read again")
     await quiet("settled again")
     await wait_for(lambda: cluster.job(NS, "done") is None, timeout=ttl + 10, what="deleted at its TTL")
+
+
+async def test_a_job_of_another_controller_is_not_read_every_round(cluster, operator):
+    """A job whose spec.managedBy names another controller (MultiKueue) was read every round
+    (a GET per job every 10 s, for as long as it exists) only for the pass to see that it is not
+    this operator's. kopf's index shows managedBy without a call: such a job is not read, and
+    not written either (no status, no annotation of this operator's on it)."""
+    await cluster.create(job_body("live"))
+    await cluster.create(job_body("theirs", managedBy="kueue.x-k8s.io/multikueue"))
+    await wait_for(lambda: cluster.condition(NS, "live", C.COND_CREATED), what="live created")
+
+    def rounds() -> int:
+        return sum(1 for r in list(cluster.k) if r.method == "GET" and r.name == "live"
+                   and r.headers.get("User-Agent") == C.FIELD_MANAGER)  # fmt: skip
+
+    start = rounds()
+    await wait_for(lambda: rounds() >= start + 5, what="five more rounds")
+    assert operator_reads(cluster, "theirs") == 0
+    writes = [r for r in list(cluster.k) if r.method in ("PATCH", "PUT", "POST", "DELETE") and r.name == "theirs"]
+    assert not writes, [(r.method, r.path) for r in writes]
+    theirs = cluster.job(NS, "theirs")
+    assert not theirs.get("status") and not (theirs["metadata"].get("annotations") or {})
+    assert not [n for n in cluster.names("v1/services", NS) if n.startswith("theirs-")]
+    # Handed over to this operator (managedBy removed): it is this operator's from then on.
+    await cluster.patch(PJ, NS, "theirs", {"spec": {"managedBy": None}})
+    await wait_for(lambda: (cluster.condition(NS, "theirs", C.COND_CREATED) or {}).get("status") == "True",
+                   what="the handed-over job reconciled")  # fmt: skip

@@ -206,3 +206,96 @@ def test_a_resize_sets_the_pod_group_to_the_new_size(gang, api_version, mode):
     assert [p.kind for p in patches] == (["PodGroup", "Deployment"] if mode == "online" else ["PodGroup"])
     resized = [{**s, "min_member": 6} if s["kind"] == "PodGroup" else s for s in old]
     assert not [a for a in plan(sim, resized) if isinstance(a, Patch) and a.kind == "PodGroup"]
+
+
+def test_a_deleted_auth_secret_restarts_nats_and_the_job():
+    """`<job>-auth` deleted by hand (a cleanup script, `kubectl delete secret`) was re-created with
+    new random credentials while the running NATS and pods kept the old ones: the next container
+    restart read the new password (refused by the NATS) and the new job secret (its signed
+    controls refused by its peers), and a whole-job restart did not help, since the NATS was kept.
+    Now the NATS goes with the old credentials and the job restarts (not counted) on the new."""
+    from test_operator_production import with_uids
+
+    sim = Sim()
+    sim.step()
+    kids = with_uids(sim.children())
+    sim.step(kids)
+    assert sim.status.phase == "Running"
+    without = [s for s in kids if (s["kind"], s["name"]) != ("Secret", "demo-auth")]
+    st = sim.step(without)
+    restarting = st.condition(C.COND_RESTARTING)
+    assert (restarting.status, restarting.reason) == ("True", "SecretReplaced")
+    assert "Secret demo-auth" in restarting.message
+    assert st.attempt == 1 and st.restart_count == 0 and st.uncounted_restarts == 1
+    actions = plan(sim, without)
+    assert ("Secret", "demo-auth") in keys(actions, Create)
+    assert ("StatefulSet", "demo-nats") in keys(actions, Delete)
+    # One restart: the next pass sees the old NATS going and the old attempt's workloads, even
+    # while the Secret is not there yet (its create failed), and restarts nothing more.
+    going = [{**s, "deleting": True} if s["kind"] in ("StatefulSet", "Pod") and s["name"].startswith("demo-nats")
+             else s for s in without]  # fmt: skip
+    st = sim.step(going)
+    assert st.attempt == 1 and st.uncounted_restarts == 1
+    # A job whose pods never started holds no credentials: the Secret is just created.
+    fresh = Sim()
+    fresh.step()
+    st = fresh.step([s for s in fresh.children(pods=None) if s["kind"] != "Secret"])
+    assert st.attempt == 0 and not st.is_true(C.COND_RESTARTING)
+    assert ("StatefulSet", "demo-nats") not in keys(plan(fresh, fresh.children(pods=None)), Delete)
+
+
+def test_nats_edited_while_suspended_reaches_the_resumed_nats():
+    """"Suspend, edit, resume" applies every change, and suspending deletes the NATS, but its
+    ConfigMap was only ever created: `nats.replicas` 1 -> 3 resumed three servers without a
+    `cluster` block (no routes: roles on different servers never met), a raised `maxPayload`
+    stayed at the old limit. Between suspend and resume the ConfigMap is rewritten, and the
+    NATS StatefulSet created once the new content shows (as for the job's configs)."""
+    sim = Sim().running()
+    old = {s["name"]: s for s in sim.children() if s["kind"] == "ConfigMap"}["demo-nats-config"]["data_hash"]
+    sim.body["spec"]["runPolicy"] = {"suspend": True}
+    suspended = [s for s in sim.children() if s["kind"] not in ("StatefulSet", "Job", "Pod")]
+    sim.step(suspended)
+    sim.body["spec"]["runPolicy"] = {"suspend": False}
+    sim.body["spec"]["nats"] = {"replicas": 3, "maxPayload": 8 * 1024 * 1024}
+    stale = [{**s, "data_hash": old} if s["name"] == "demo-nats-config" else s
+             for s in suspended if s["kind"] != "PodDisruptionBudget"]  # fmt: skip
+    st = sim.step(stale)
+    assert st.accepted_spec["nats"]["replicas"] == 3 and not st.is_true(C.COND_SUSPENDED)
+    actions = plan(sim, stale)
+    patches = [a for a in actions if isinstance(a, Patch) and a.name == "demo-nats-config"]
+    assert len(patches) == 1
+    conf = patches[0].patch["data"]["nats.conf"]
+    assert "max_payload: 8388608" in conf and "$NATS_ROUTE_2" in conf
+    assert ("StatefulSet", "demo-nats") not in keys(actions, Create)  # not before the new content shows
+    fresh = [s for s in sim.children(pods=None) if s["kind"] not in ("StatefulSet", "Job")]
+    actions = plan(sim, fresh)
+    assert ("StatefulSet", "demo-nats") in keys(actions, Create)
+    assert not [a for a in actions if isinstance(a, Patch)]
+    # A NATS that runs never gets its configuration changed under it (a restarted server would
+    # run another one than its peers).
+    running = Sim().running()
+    kids = [{**s, "data_hash": "0123"} if s["name"] == "demo-nats-config" else s for s in running.children()]
+    assert not [a for a in plan(running, kids) if isinstance(a, Patch)]
+
+
+def test_ttl_and_cleanup_set_after_the_job_finished_are_applied():
+    """runPolicy.ttlSecondsAfterFinished and cleanPodPolicy are documented as read on every pass,
+    and setting them on a finished job is how one cleans it up; but a finished job's status is
+    sticky, acceptedSpec included, so both were ignored: the job and its pods stayed for ever."""
+    sim = Sim().running()
+    sim.step(sim.children(overrides={"demo-embedding-ps-0": failed(2)}))
+    assert sim.status.phase == "Failed"
+    done = sim.status.model_copy(deep=True)
+    sim.body["spec"]["runPolicy"] = {"ttlSecondsAfterFinished": 0, "cleanPodPolicy": "All", "backoffLimit": 9}
+    st = sim.step(sim.children(), seconds=5)
+    assert st.accepted_spec["runPolicy"]["ttlSecondsAfterFinished"] == 0
+    assert st.accepted_spec["runPolicy"]["cleanPodPolicy"] == "All"
+    assert st.accepted_spec["runPolicy"]["backoffLimit"] == 3  # the rest stays as it ran
+    assert st.conditions == done.conditions and st.phase == "Failed"
+    actions = plan(sim, sim.children())
+    assert any(isinstance(a, DeleteJob) for a in actions)
+    sim.body["spec"]["runPolicy"] = {"cleanPodPolicy": "All"}
+    st = sim.step(sim.children())
+    assert "ttlSecondsAfterFinished" not in st.accepted_spec["runPolicy"]  # removed again: kept
+    sim.body["spec"]["nnWorker"]["replicas"] = 0  # an invalid edit changes nothing
+    assert sim.step(sim.children()).accepted_spec == st.accepted_spec

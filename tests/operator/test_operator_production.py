@@ -14,6 +14,7 @@ from operator_testkit import RUNNING, Sim, failed, job_body
 from persia_operator import constants as C
 from persia_operator.children import Children, PodState, Termination
 from persia_operator.conditions import timestamp
+from persia_operator.events import transition_events
 from persia_operator.failures import Failure, decide, find_failures, rule_for
 from persia_operator.job import PersiaJob
 from persia_operator.natsinfo import CheckpointReport, NatsObservation, parse_report, redact
@@ -320,6 +321,26 @@ def test_external_nats_is_ready_only_once_connected(nats, reason):
     assert st.nats_url == "nats://***@nats.shared:4222"
 
 
+def test_a_restarted_operator_keeps_the_last_word_on_an_external_nats():
+    """A restarted operator (or a new leader) has probed nothing yet: its first pass reported a
+    healthy job's NatsReady and Ready False (`NatsNotChecked`, "external NATS not reachable"),
+    with Events, until its first probe a few seconds later. Until then, the last verdict stands."""
+    sim = Sim(job_body(nats=EXTERNAL))
+    sim.step()
+    sim.step(sim.children(), nats=NatsObservation(True))
+    before = sim.status.model_copy(deep=True)
+    assert sim.status.phase == "Running" and sim.status.is_true(C.COND_READY)
+    st = sim.step(sim.children(), nats=None)  # the first pass of a restarted operator
+    assert cond(st, C.COND_NATS_READY) == ("True", "ExternalNats")
+    assert st.condition(C.COND_NATS_READY) == before.condition(C.COND_NATS_READY)
+    assert cond(st, C.COND_READY) == ("True", "AllReplicasReady")
+    assert transition_events(before, st) == []
+    st = sim.step(sim.children(), nats=NatsObservation(False, "ConnectionRefusedError: refused"))
+    assert cond(st, C.COND_NATS_READY) == ("False", "NatsUnreachable") and not st.is_true(C.COND_READY)
+    st = sim.step(sim.children(), nats=None)  # restarted again: unreachable stays unreachable
+    assert cond(st, C.COND_NATS_READY) == ("False", "NatsUnreachable")
+
+
 def test_redact():
     assert redact("nats://u:p@h:4222,tls://t@h2") == "nats://***@h:4222,tls://***@h2"
     assert redact("auth failed for sekrit-token", ("sekrit-token",)) == "auth failed for ***"
@@ -451,11 +472,41 @@ def test_a_kueue_queue_label_is_refused_naming_it():
                for p in err.value.problems), err.value.problems
 
 
+def test_the_operator_refuses_a_kueue_queue_label_too():
+    """docs/operator.md promised Failed/InvalidSpec for the label, but only `persia-operator
+    render` checked it: the operator created the children, which Kueue never admitted as one."""
+    body = job_body()
+    body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    sim = Sim(body)
+    st = sim.step()
+    assert cond(st, C.COND_FAILED) == ("True", "InvalidSpec")
+    assert "metadata.labels.kueue.x-k8s.io/queue-name='team-a'" in st.condition(C.COND_FAILED).message
+    assert st.accepted_spec is None and st.phase == "Failed"
+    # A running job labelled later goes on: the label changes nothing for pods that exist,
+    # and failing a training run for a label edit would be worse than ignoring it.
+    running = Sim().running()
+    running.body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}
+    st = running.step(running.children())
+    assert st.phase == "Running"
+
+
 def test_jobs_managed_by_another_controller_are_left_alone():
     from persia_operator.reconciler import managed_here
 
     assert managed_here(job_body()) and managed_here(job_body(managedBy=C.MANAGED_BY_VALUE))
     assert not managed_here(job_body(managedBy="kueue.x-k8s.io/multikueue"))
+
+
+def test_an_empty_managed_by_is_refused_not_ignored():
+    """`managedBy: ""` (a templating slip) read as "another controller's": the job was ignored for
+    ever, without a status or an event saying why. It is this operator's job, refused naming it."""
+    from persia_operator.reconciler import managed_here
+
+    body = job_body(managedBy="")
+    assert managed_here(body)
+    st = Sim(body).step()
+    assert cond(st, C.COND_FAILED) == ("True", "InvalidSpec")
+    assert "spec.managedBy: String should have at least 1 character (got '')" in st.condition(C.COND_FAILED).message
 
 
 def test_a_job_runs_without_its_pdbs():

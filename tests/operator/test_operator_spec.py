@@ -64,6 +64,27 @@ def _spec(**changes):
         (_spec(embeddingParameterServer=None), "spec.embeddingParameterServer: field required"),
         (_spec(runPolicy__cleanPodPolicy="Sometimes"), "spec.runPolicy.cleanPodPolicy: Input should be 'None', 'Running' or 'All'"),
         (_spec(runPolicy__backoffLimit=-1), "spec.runPolicy.backoffLimit: Input should be greater than or equal to 0 (got -1)"),
+        # Refused by the API server only when the workload was created (ChildCreateFailed, after the
+        # NATS, Services and ConfigMaps were made), naming the StatefulSet's container, not the field.
+        (_spec(embeddingWorker__resources={"limits": {"cpu": "lots"}}),
+         "spec.embeddingWorker.resources: limits.cpu must be a non-negative quantity such as 500m, 2 or 4Gi, got 'lots'"),
+        (_spec(nnWorker__resources={"requests": {"memory": "-1Gi"}}),
+         "spec.nnWorker.resources: requests.memory must be a non-negative quantity such as 500m, 2 or 4Gi, got '-1Gi'"),
+        (_spec(embeddingParameterServer__resources={"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}),
+         "spec.embeddingParameterServer.resources: requests.cpu '2' is more than limits.cpu '1500m'"),
+        (_spec(nats={"resources": {"limits": {"memory": "2 GB"}}}),
+         "spec.nats.resources: limits.memory must be a non-negative quantity such as 500m, 2 or 4Gi, got '2 GB'"),
+        (_spec(nnWorker__shmSize="big"), "spec.nnWorker.shmSize: must be a non-negative quantity such as 8Gi, got 'big'"),
+        # A volume given as a string crashed the operator's own checks (AttributeError: no status,
+        # a ReconcileFailed event every pass); a container list as a string reached the API server.
+        (_spec(nnWorker__template={"spec": {"volumes": ["data"]}}),
+         "spec.nnWorker.template.spec: volumes[0] must be an object with a name, got 'data'"),
+        (_spec(nnWorker__template={"spec": {"containers": "nn-worker"}}),
+         "spec.nnWorker.template.spec: containers must be a list, got 'nn-worker'"),
+        (_spec(nats={"template": {"spec": {"containers": [{"name": "nats", "env": [{"value": "1"}]}]}}}),
+         "spec.nats.template.spec: containers[nats].env[0] must be an object with a name, got {'value': '1'}"),
+        (_spec(env=[{"name": "A=B", "value": "1"}]),
+         "spec.env.0.name: an environment variable name must be printable ASCII without '=', got 'A=B'"),
     ],
 )
 def test_invalid_spec_names_field_and_value(spec, expected):
@@ -104,3 +125,9 @@ def test_wrong_kind_and_version_are_reported():
         validate_job(body)
     assert "apiVersion must be persia.com/v1, got 'persia.com/v1alpha1'" in str(err.value)
     assert "kind must be PersiaJob, got 'PyTorchJob'" in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["500m", "2", 2, 1.5, "1.5Gi", "4G", "1e3", "128974848", "129M", "123Mi", ".5", "0"])
+def test_quantities_the_api_server_takes_are_accepted(value):
+    spec = parse_spec(_spec(embeddingWorker__resources={"requests": {"memory": value}}, nnWorker__shmSize=str(value)))
+    assert spec.embedding_worker.resources["requests"]["memory"] == value
