@@ -36,6 +36,14 @@ def nats_config_name(job: str) -> str:
     return f"{job}-nats-config"
 
 
+def subject_job(job: str, namespace: str) -> str:
+    """The job's token in its NATS subjects, ``persia.<token>.<service>...``: its pods get
+    ``PERSIA_JOB_NAMESPACE`` beside ``PERSIA_JOB_NAME``, and the runtime joins them so
+    (``persia.bus.subject_job``). A job name is unique only in its namespace: two jobs of one name
+    on one external NATS answered each other's discovery and took each other's batches."""
+    return f"{namespace}_{job}"
+
+
 def selector_labels(job: str, role: str) -> dict[str, str]:
     """Immutable selector of a role's pods."""
     return {C.LABEL_JOB: job, C.LABEL_ROLE: role}

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class NatsTarget:
     """How to reach one job's NATS. Secret fields are kept out of repr()."""
 
-    job: str
+    job: str  # the job's token in its subjects (naming.subject_job)
     url: str
     user: str | None = field(default=None, repr=False)
     password: str | None = field(default=None, repr=False)

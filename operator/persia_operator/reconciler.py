@@ -361,7 +361,7 @@ def nats_target(job: str, namespace: str, spec: PersiaJobSpec | None,
         data = secrets.get(naming.auth_secret_name(job))
         if not data:
             return None  # the Secret is being created
-        return NatsTarget(job, url, user=data.get("nats-user"), password=data.get("nats-password"))
+        return NatsTarget(naming.subject_job(job, namespace), url, user=data.get("nats-user"), password=data.get("nats-password"))
     fields: dict[str, str | None] = {}
     auth = spec.nats.auth
     if auth is not None:
@@ -375,4 +375,4 @@ def nats_target(job: str, namespace: str, spec: PersiaJobSpec | None,
     if spec.nats.tls is not None:
         data = secrets.get(spec.nats.tls.secret_name, {})
         fields.update(tls_ca=data.get("ca.crt"), tls_cert=data.get("tls.crt"), tls_key=data.get("tls.key"))
-    return NatsTarget(job, url, **fields)
+    return NatsTarget(naming.subject_job(job, namespace), url, **fields)

@@ -177,6 +177,7 @@ def role_env(job: PersiaJob, role: str, role_spec: RoleSpec) -> list[dict[str, A
     env = [
         _env("PERSIA_NATS_URL", spec.nats_url(job.name, job.namespace)),
         _env("PERSIA_JOB_NAME", job.name),
+        _env("PERSIA_JOB_NAMESPACE", job.namespace),  # subjects are persia.<namespace>_<job>...
         _env("PERSIA_GLOBAL_CONFIG", global_path),
         _env("PERSIA_EMBEDDING_CONFIG", embedding_path),
         _env("LOG_LEVEL", spec.log_level),

@@ -53,6 +53,17 @@ def job_name() -> str:
     return checked_job_name(os.environ.get("PERSIA_JOB_NAME", "persia"))
 
 
+def subject_job() -> str:
+    """The job's token in NATS subjects: ``PERSIA_JOB_NAME``, or ``<namespace>_<job>`` where
+    ``PERSIA_JOB_NAMESPACE`` is set (the operator sets it: a job name is unique only in its
+    namespace, and two jobs of one name in two namespaces on one NATS, an external one, answered
+    each other's discovery and took each other's batches). ``_`` is in no Kubernetes name."""
+    namespace = os.environ.get("PERSIA_JOB_NAMESPACE")
+    if not namespace:
+        return job_name()
+    return f"{checked_job_name(namespace, 'environment variable PERSIA_JOB_NAMESPACE')}_{job_name()}"
+
+
 @functools.lru_cache(maxsize=16)
 def checked_job_name(name: str, what: str = "environment variable PERSIA_JOB_NAME") -> str:
     """``name`` if it can be one token of a NATS subject (``persia.<job>.<service>...``); else a
@@ -65,8 +76,8 @@ def checked_job_name(name: str, what: str = "environment variable PERSIA_JOB_NAM
 
 
 def subject(service: str, method: str, replica: int | None = None, job: str | None = None) -> str:
-    """``persia.<job>.<service>.<method>[.<replica>]`` (design §2)."""
-    base = f"persia.{job or job_name()}.{service}.{method}"
+    """``persia.<job>.<service>.<method>[.<replica>]`` (design §2; ``<job>``: :func:`subject_job`)."""
+    base = f"persia.{job or subject_job()}.{service}.{method}"
     return base if replica is None else f"{base}.{replica}"
 
 

@@ -190,3 +190,33 @@ def test_publish_soon_logs_a_failure_once_per_interval(persia_env, monkeypatch, 
     lines = [r.getMessage() for r in caplog.records if "publish to" in r.getMessage()]
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"publish to {subject('nn', 'progress')} failed: ")
+
+
+def test_jobs_of_one_name_in_two_namespaces_do_not_meet_on_one_nats(persia_env, monkeypatch):
+    """The operator gives every pod ``PERSIA_JOB_NAMESPACE``: subjects are
+    ``persia.<namespace>_<job>...``. Before, two jobs named ``ctr`` in two namespaces on one
+    (external) NATS shared ``persia.ctr...``: each answered the other's discovery."""
+    monkeypatch.setenv("PERSIA_JOB_NAME", "ctr")
+    asked = {"team-a": 0, "team-b": 0}
+    members = []
+    try:
+        for namespace in asked:
+            monkeypatch.setenv("PERSIA_JOB_NAMESPACE", namespace)
+            member = NatsBus(name=f"ps-{namespace}")
+            members.append(member)
+
+            def answer(_obj, namespace=namespace):
+                asked[namespace] += 1
+                return {"address": namespace}
+
+            member.serve(subject("ps", "address", 0), answer)
+            member.flush()
+        monkeypatch.setenv("PERSIA_JOB_NAMESPACE", "team-a")
+        assert subject("ps", "address", 0) == "persia.team-a_ctr.ps.address.0"
+        answers = {members[0].request_retry(subject("ps", "address", 0), None, deadline_s=5.0)["address"]
+                   for _ in range(20)}
+    finally:
+        for member in members:
+            member.close()
+    assert answers == {"team-a"}
+    assert asked == {"team-a": 20, "team-b": 0}

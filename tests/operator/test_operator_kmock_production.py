@@ -138,7 +138,7 @@ async def test_external_nats_with_a_user_secret(cluster, operator, caplog):
             await msg.respond(json.dumps({"step": 700, "time": "2026-01-01T12:00:00Z",
                                           "path": "/checkpoints/demo/ckpt-000000000700", "resumed_from": None}).encode())
 
-        await rank0.subscribe("persia.demo.checkpoint.latest", cb=answer)
+        await rank0.subscribe(f"persia.{NS}_demo.checkpoint.latest", cb=answer)  # the job's subjects carry its namespace
         await rank0.flush()
         await wait_for(lambda: cluster.status(NS, NAME).get("phase") == "Running", timeout=30, what="Running")
         assert cond(cluster, C.COND_NATS_READY)["reason"] == "ExternalNats"

@@ -157,7 +157,7 @@ def test_env_contract_order_and_values():
     children = by_key(render(make(body)))
     nn = children[("Job", "demo-nn-worker")]
     names = [e["name"] for e in container(nn)["env"]]
-    assert names == ["PERSIA_NATS_URL", "PERSIA_JOB_NAME", "PERSIA_GLOBAL_CONFIG", "PERSIA_EMBEDDING_CONFIG",
+    assert names == ["PERSIA_NATS_URL", "PERSIA_JOB_NAME", "PERSIA_JOB_NAMESPACE", "PERSIA_GLOBAL_CONFIG", "PERSIA_EMBEDDING_CONFIG",
                      "REPLICA_INDEX", "REPLICA_SIZE", "NPROC_PER_NODE", "PERSIA_NN_WORKER_ENTRY",
                      "PERSIA_TRAINING_CPUS", "PERSIA_METRICS_PORT", "PERSIA_BIND_ADDRESS",
                      "PERSIA_GRACE_PERIOD_SECONDS", "PERSIA_JOB_SECRET", "PERSIA_NATS_USER", "PERSIA_NATS_PASSWORD",
@@ -166,6 +166,7 @@ def test_env_contract_order_and_values():
     assert env["LOG_LEVEL"] == "debug"  # spec.env overrides the contract; the last definition wins
     assert env["SHARED"] == "nn"  # role env overrides spec.env
     assert env["PERSIA_JOB_NAME"] == "demo"
+    assert env["PERSIA_JOB_NAMESPACE"] == "ns1"
     assert env["PERSIA_NATS_URL"] == "nats://demo-nats.ns1.svc:4222"
     assert env["REPLICA_SIZE"] == "2" and env["NPROC_PER_NODE"] == "1"
     assert env["PERSIA_METRICS_PORT"] == "9090"
@@ -350,3 +351,27 @@ def test_render_does_not_mutate_the_job():
     before = copy.deepcopy(job.model_dump())
     render(job)
     assert job.model_dump() == before
+
+
+def test_the_runtime_and_the_operator_agree_on_the_jobs_subjects(monkeypatch):
+    """The pods' env, read by the runtime (``persia.bus.subject_job``), gives the token the
+    operator's NATS probe asks on (``naming.subject_job``): two jobs of one name in two namespaces
+    on one external NATS no longer share ``persia.<job>...``."""
+    from persia.bus import subject
+    from persia_operator import naming
+    from persia_operator.reconciler import nats_target
+    from persia_operator.spec import parse_spec
+
+    tokens = set()
+    for namespace in ("team-a", "team-b"):
+        body = job_body()
+        body["metadata"]["namespace"] = namespace
+        env = env_map(by_key(render(make(body)))[("Job", "demo-nn-worker")])
+        monkeypatch.setenv("PERSIA_JOB_NAME", env["PERSIA_JOB_NAME"])
+        monkeypatch.setenv("PERSIA_JOB_NAMESPACE", env["PERSIA_JOB_NAMESPACE"])
+        token = naming.subject_job("demo", namespace)
+        assert subject("checkpoint", "latest") == f"persia.{token}.checkpoint.latest"
+        target = nats_target("demo", namespace, parse_spec(body["spec"]), {"demo-auth": {"nats-user": "u"}})
+        assert target is not None and target.job == token
+        tokens.add(token)
+    assert len(tokens) == 2
