@@ -84,6 +84,10 @@ MAX_WORKLOAD_NAME = 52
 LONGEST_WORKLOAD_SUFFIX = f"-{ROLE_EMBEDDING_WORKER}"
 MAX_JOB_NAME = MAX_WORKLOAD_NAME - len(LONGEST_WORKLOAD_SUFFIX)
 JOB_NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+# Job names that end so would name a child as another job's child of the same kind: job "x-nats"'s
+# ConfigMap "x-nats-config" is job "x"'s NATS ConfigMap, "x-serving"'s "x-serving-config" its
+# serving one (test_operator_spec derives the list from every child name).
+CLASHING_NAME_ENDINGS = ("-nats", "-serving")
 
 # Condition types, in the order they are listed in status.conditions.
 COND_CREATED = "Created"

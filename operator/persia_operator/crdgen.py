@@ -44,6 +44,11 @@ NAME_RULES = [
         "rule": f"self.metadata.name.matches('{C.JOB_NAME_PATTERN}')",
         "message": "metadata.name must be a DNS-1035 label (it prefixes Service names)",
     },
+    {
+        "rule": " && ".join(f"!self.metadata.name.endsWith('{e}')" for e in C.CLASHING_NAME_ENDINGS),
+        "message": (f"metadata.name must not end in {' or '.join(C.CLASHING_NAME_ENDINGS)}: a child of the job "
+                    "would have the name of a child of the job named without it"),
+    },
 ]
 
 

@@ -941,6 +941,12 @@ def check_job_name(name: str) -> list[str]:
             f"metadata.name {name!r} must be a DNS-1035 label (lower-case letters, digits and "
             "'-', starting with a letter)"
         )
+    for ending in C.CLASHING_NAME_ENDINGS:
+        if name.endswith(ending):
+            problems.append(
+                f"metadata.name {name!r} must not end in {ending!r}: its children would take names of the children "
+                f"of job {name.removesuffix(ending)!r} (e.g. ConfigMap {name}-config)"
+            )
     return problems
 
 

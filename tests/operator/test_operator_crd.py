@@ -149,6 +149,7 @@ def _broken(**changes: Any) -> dict[str, Any]:
 CEL_CASES = [
         (_broken(metadata__name="j" * (C.MAX_JOB_NAME + 1)), f"at most {C.MAX_JOB_NAME} characters", f"at most {C.MAX_JOB_NAME} are allowed"),
         (_broken(metadata__name="Adult_Income"), "DNS-1035 label", "DNS-1035 label"),
+        (_broken(metadata__name="ctr-nats"), "must not end in -nats or -serving", "must not end in '-nats'"),
         (_broken(spec__nnWorker__replicas=0), "replicas must be between 1 and 1024", "spec.nnWorker.replicas: replicas must be between 1 and 1024, got 0"),
         (_broken(spec__embeddingParameterServer__replicas=2000), "replicas must be between 1 and 1024", "got 2000"),
         (_broken(spec__nats={"maxPayload": 67108865}), "nats.maxPayload must be between 1 and 67108864", "got 67108865"),

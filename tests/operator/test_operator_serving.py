@@ -160,3 +160,16 @@ def test_a_finished_job_keeps_serving():
     deleted = {a.name for a in plan_actions(meta, job.status, children, datetime.now(timezone.utc))
                if type(a).__name__ == "Delete"}
     assert deleted and not deleted & {"demo-infer-ps", "demo-infer-ew", "demo-model-server"}, deleted
+
+
+def test_no_two_jobs_name_a_child_alike_but_by_the_names_refused():
+    """Every child name is ``<job><suffix>``; where one suffix ends another of the same kind
+    (``-config``, ``-nats-config``), job ``x-nats`` would name its ConfigMap as job ``x``'s NATS
+    one. The endings that make such names are refused (``C.CLASHING_NAME_ENDINGS``, and the CRD's
+    CEL rule): derived here from every child a job with serving and a managed NATS renders."""
+    children = render(make(serving_body()))
+    suffixes = {(c["kind"], c["metadata"]["name"].removeprefix("demo")) for c in children}
+    assert all(s.startswith("-") for _, s in suffixes), suffixes
+    clashing = {long[: -len(short)] for kind, long in suffixes for other, short in suffixes
+                if kind == other and long != short and long.endswith(short)}
+    assert clashing == set(C.CLASHING_NAME_ENDINGS)

@@ -104,6 +104,8 @@ def test_volume_mount_of_declared_volume_is_fine():
         ("a" * (C.MAX_JOB_NAME + 1), f"at most {C.MAX_JOB_NAME} are allowed"),
         ("Adult_Income", "must be a DNS-1035 label"),
         ("9lives", "must be a DNS-1035 label"),
+        ("ctr-nats", "must not end in '-nats': its children would take names of the children of job 'ctr'"),
+        ("ctr-serving", "must not end in '-serving'"),
     ],
 )
 def test_job_name_rules(name, fragment):
