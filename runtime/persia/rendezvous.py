@@ -95,8 +95,21 @@ class RendezvousServer:
         return {"held": held}
 
 
-def member_name() -> str:
-    return os.environ.get("HOSTNAME") or socket.gethostname()
+def member_name(host: str | None = None, pid: int | None = None) -> str:
+    """This process's name in the table: its host (the pod's name) and its process id. The host
+    alone named every process of one machine alike (local mode's data loaders, pods sharing the
+    node's network and name), and the table answered the second claimant with the first one's
+    index ("the same one again"): two loaders ran as one index. Process ids tell apart the live
+    processes of one machine; a container restarted in its pod starts its launcher at the same
+    pid, so it still takes its index back at once (another process waits for the old lease's TTL).
+    A ``HOSTNAME`` set to something other than the machine's name was given to this process by
+    whoever started it: it is the member name as it is."""
+    if host is None:
+        named, real = os.environ.get("HOSTNAME"), socket.gethostname()
+        if named and named != real:
+            return named
+        host = real
+    return f"{host}/{os.getpid() if pid is None else pid}"
 
 
 def _lost(role: str, index: int) -> None:

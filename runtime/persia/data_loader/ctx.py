@@ -19,7 +19,7 @@ from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.grouping import (HeldBatch, SendGroups, data_group_setting, fits_group, hold_setting,
                                         id_leg_failures)
 from persia.data_loader.resume import StreamPosition, live_resume, loader_count_error, position_from_info
-from persia.data_loader.trainers import TRAINER_GRACE_S, TrainerGone
+from persia.data_loader.trainers import TRAINER_GRACE_S, TrainerGone, TrainerRestarted
 from persia.data_loader.wire import _named_arrays, id_features_to_wire
 from persia.data_loader import stream as loader_stream
 from persia import messages as M
@@ -344,6 +344,9 @@ class DataCtx(BaseCtx):
         except BaseException as exc:  # the bus itself (closed, its loop gone): nothing known delivered
             id_leg = dense_leg = exc
         self._metrics.observe("data_loader_send_time_cost_sec", time.monotonic() - started)
+        if isinstance(dense_leg, dict) and dense_leg.get("refused"):
+            # not taken: the rank restarted, or the ranks were rescaled, while this process streamed on
+            dense_leg = TrainerRestarted(rank, str(dense_leg["refused"]), what)
         if isinstance(dense_leg, BaseException):
             # not delivered: their ID features wait on the worker for nobody (handed back), and
             # their ids are spent (a retried batch gets a new one, never another batch's features)
@@ -469,6 +472,28 @@ class DataCtx(BaseCtx):
         log.info("data loader %d: end of stream after %d epochs, %d batches acknowledged, failed sends %s",
                  self.replica_index, s.epoch, s.sent_total, dict(s.failed) or "none")
 
+    def _abandon(self) -> None:
+        """Stop after an NN rank refused this process's batches (``TrainerRestarted``), telling the
+        ranks nothing: no end of epoch (its counts include what the rank's earlier process took)
+        and no end of stream at exit (the rank would stop waiting for this loader). Batches still
+        held are dropped unsent; the restarted process sends them."""
+        if self._closed:
+            return
+        with self._sending:
+            while self._in_flight:
+                self._sending.wait()
+            dropped = self._groups.drain()
+            self._closed = True
+            self._hold_wake.notify()
+            self._show_sending()
+        if self._holder is not None:
+            self._holder.join()
+        self._stream.ended = True
+        log.error("data loader %d: stopped without ending its stream (an NN rank refused its batches: it restarted, "
+                  "or the ranks were rescaled; %d held batches not sent): restart this data loader, it resends from "
+                  "where the NN ranks are", self.replica_index,
+                  sum(len(g) for g in dropped))
+
     def close(self, failure: str | None = None) -> None:
         """End this epoch (or, with ``failure``, the whole stream, so the trainer stops and says why)."""
         if self._closed:
@@ -493,6 +518,10 @@ class DataCtx(BaseCtx):
         with self._sending:
             held_failed = held_failed or self._late
             self._late = None
+        if isinstance(held_failed, TrainerRestarted):
+            # the stream does not end: a restarted process goes on with it (nothing told to the ranks)
+            self._stream.ended = True
+            raise held_failed
         if held_failed is not None and failure is None:
             # as if the send_data that held them had raised in the with-block: the stream fails
             failure = f"{type(held_failed).__name__}: {held_failed}"
@@ -512,4 +541,7 @@ class DataCtx(BaseCtx):
             raise held_failed  # the batches held for a group were not delivered: not silently
 
     def _exit(self, exc: BaseException | None) -> None:
+        if isinstance(exc, TrainerRestarted):
+            self._abandon()
+            return
         self.close(None if exc is None else f"{type(exc).__name__}: {exc}")

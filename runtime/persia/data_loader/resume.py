@@ -37,6 +37,8 @@ class StreamPosition:
         self.step, self.path = step, path
 
     def skip(self, batch_id: int) -> bool:
+        if self.skipped >= self.total:  # every trained batch skipped: no later one was trained
+            return False
         for world, trained, sent in self._runs:
             rank = batch_id % world
             nth = sent.get(rank, 0)  # this batch was that run's nth for this rank

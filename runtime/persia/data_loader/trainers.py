@@ -47,6 +47,18 @@ class TrainerGone(PersiaError):
         self.rank = rank
 
 
+class TrainerRestarted(PersiaError):
+    """An NN rank refused this loader process's batches: the rank was restarted (resuming its
+    checkpoint) while this process streamed on, and the batches it had taken since died with its
+    earlier process; or the NN ranks were rescaled, and this process still sends to the ranks of
+    before. This process stops without ending its stream; started again, it finds the ranks, asks
+    each where it is (``nn.position``) and resends from there."""
+
+    def __init__(self, rank: int, why: str, what: str):
+        super().__init__(f"NN rank {rank} refused {what}: {why}")
+        self.rank = rank
+
+
 class TrainerNews:
     """Per rank, when its ``nn.done`` arrived, until an answer from it clears it. Written from the
     bus loop (the ``nn.done`` handler, replies as they arrive), read from it and from loader

@@ -10,6 +10,11 @@ what arrived from a loader *process* that never ended its stream: one killed (be
 legs of a batch or not) and restarted in place while this rank trains on. Its own count died with
 it, so this rank's count of what arrived from it stands in (``unannounced``), per loader process
 (loader index and session): without it, such a run reported its batches as a false imbalance.
+
+Online training restarts loader processes for weeks: the per-process entries are kept for the
+``RETAINED_PROCESSES`` newest processes of each loader index (one index is held by one process at a
+time, so an older one is long dead), and an older one's contribution is folded into per-loader
+totals (``retired``), so the account stays bounded by the number of loader indices.
 """
 
 from __future__ import annotations
@@ -20,9 +25,17 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from persia.metrics import Metrics
+from persia.recent_keys import RecentKeys
 from persia.utils import RESULT_EXTRAS
 
 log = logging.getLogger(__name__)
+
+# per loader index, the newest processes whose counts are kept one by one: a process superseded by
+# this many newer ones of its index is dead (a restarted one replaces it), and only its totals matter
+RETAINED_PROCESSES = 8
+# retired processes remembered (their counts), so a message of one still on its way adjusts the totals
+RETIRED_MEMORY = 1024
+RETIRED = "(earlier processes)"  # the session ``unannounced`` names a loader's retired processes by
 
 
 @dataclass
@@ -39,6 +52,13 @@ class BatchAccount:
     received_by: Counter = field(default_factory=Counter, repr=False)
     ended: set = field(default_factory=set, repr=False)
     failed_sends_by: dict = field(default_factory=dict, repr=False)
+    # per loader index, its processes' sessions kept one by one, oldest first
+    sessions_of: dict = field(default_factory=dict, repr=False)
+    # per loader index, what its retired processes left: batches arrived beyond what they announced
+    retired_unannounced: Counter = field(default_factory=Counter, repr=False)
+    retired_failed_sends: Counter = field(default_factory=Counter, repr=False)
+    # (loader, session) -> [received, announced, ended, failed sends] of a retired process
+    retired: RecentKeys = field(default_factory=lambda: RecentKeys(RETIRED_MEMORY), repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     metrics: Metrics | None = field(default=None, repr=False)
 
@@ -58,11 +78,62 @@ class BatchAccount:
             self.failed[reason] += n
         self._metric("batches_failed", n, feat=reason)
 
+    @staticmethod
+    def _excess(rec: list) -> int:
+        """A retired process's part of ``unannounced``: what arrived beyond what it announced."""
+        received, announced, ended, _ = rec
+        return 0 if ended else max(0, received - announced)
+
+    def _track(self, key: tuple) -> list | None:
+        """Under the lock: the retired record of ``key`` (a message of a process already retired),
+        or None after making sure the key is tracked, retiring the oldest process of its loader
+        index past ``RETAINED_PROCESSES``."""
+        rec = self.retired.get(key)
+        if rec is not None:
+            return rec
+        loader, session = key
+        if session is None:  # a sessionless sender: one entry per loader index, never retired
+            return None
+        sessions = self.sessions_of.setdefault(loader, {})
+        if session not in sessions:
+            sessions[session] = None  # a dict keeps insertion order: oldest first
+            while len(sessions) > RETAINED_PROCESSES:
+                self._retire((loader, next(iter(sessions))))
+        return None
+
+    def _retire(self, key: tuple) -> None:
+        loader, session = key
+        del self.sessions_of[loader][session]
+        rec = [self.received_by.pop(key, 0), self.announced_by.pop(key, 0), key in self.ended,
+               self.failed_sends_by.pop(key, Counter())]
+        self.ended.discard(key)
+        self.retired_unannounced[loader] += self._excess(rec)
+        self.retired_failed_sends.update(rec[3])
+        self.retired.add(key, rec)
+
+    def _adjust_retired(self, key: tuple, rec: list, received: int = 0, announced: int = 0,
+                        final: bool = False, failed_sends: Counter | None = None) -> None:
+        before = self._excess(rec)
+        rec[0] += received
+        rec[1] += announced
+        rec[2] = rec[2] or final
+        if failed_sends is not None:
+            self.retired_failed_sends.subtract(rec[3])
+            self.retired_failed_sends.update(failed_sends)
+            self.retired_failed_sends = +self.retired_failed_sends
+            rec[3] = failed_sends
+        self.retired_unannounced[key[0]] += self._excess(rec) - before
+
     def received_from(self, loader: int, session: str | None) -> None:
         """A streamed batch arrived from loader process ``(loader, session)``."""
+        key = (loader, session)
         with self.lock:
             self.received += 1
-            self.received_by[(loader, session)] += 1
+            rec = self._track(key)
+            if rec is None:
+                self.received_by[key] += 1
+            else:
+                self._adjust_retired(key, rec, received=1)
         self._metric("batches_received", 1)
 
     def announced(self, loader: int, session: str | None, sent: int, final: bool,
@@ -73,11 +144,15 @@ class BatchAccount:
         key = (loader, session)
         with self.lock:
             self.sent += sent
-            self.announced_by[key] += sent
-            if final:
-                self.ended.add(key)
-            self.failed_sends_by[key] = Counter(failed_sends)
-            self.failed_sends = sum(self.failed_sends_by.values(), Counter())
+            rec = self._track(key)
+            if rec is None:
+                self.announced_by[key] += sent
+                if final:
+                    self.ended.add(key)
+                self.failed_sends_by[key] = Counter(failed_sends)
+            else:
+                self._adjust_retired(key, rec, announced=sent, final=final, failed_sends=Counter(failed_sends))
+            self.failed_sends = sum(self.failed_sends_by.values(), Counter(self.retired_failed_sends))
         self._metric("batches_sent", sent)
 
     def unannounced(self) -> dict[tuple[int, str | None], int]:
@@ -88,8 +163,12 @@ class BatchAccount:
             # a loader whose messages carry no session (an older sender) cannot be told apart by
             # process: its announcements stand for all of its batches, as before
             sessionless = {loader for loader, session in self.announced_by if session is None}
-            return {k: n - self.announced_by[k] for k, n in self.received_by.items()
+            live = {k: n - self.announced_by[k] for k, n in self.received_by.items()
                     if k not in self.ended and k[0] not in sessionless and n > self.announced_by[k]}
+            # retired processes of each loader index, together (key: (loader, RETIRED))
+            live.update({(loader, RETIRED): n for loader, n in self.retired_unannounced.items()
+                         if n > 0 and loader not in sessionless})
+            return live
 
     def unaccounted(self) -> int:
         """Acknowledged batches (announced, or arrived from a loader process that never ended its
@@ -141,6 +220,8 @@ def log_summary(rank: int, complete: bool) -> None:
     unannounced = ACCOUNT.unannounced()
     if unannounced:  # say where they came from: a loader process that died while this rank trained on
         line += " (unannounced: " + ", ".join(
+            f"{n} from earlier processes of data loader {loader}, which never ended their stream"
+            if session == RETIRED else
             f"{n} from data loader {loader} process {session or '?'}, which never ended its stream"
             for (loader, session), n in sorted(unannounced.items(), key=str)) + ")"
     left = ACCOUNT.unaccounted()

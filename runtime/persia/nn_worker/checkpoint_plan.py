@@ -11,6 +11,7 @@ A resume picks the highest step whose marker is present; everything else is igno
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Collection, Iterable, Mapping, Optional
@@ -220,3 +221,26 @@ def continue_positions(progress: Mapping, world_size: int, rank: int) -> tuple[l
     if any(loaders.values()):
         earlier.append({"world_size": int(saved), "loaders": {k: dict(v) for k, v in loaders.items()}})
     return earlier, {}
+
+
+def batch_ordinal(batch_id: int, loader: int, loader_size: int, world_size: int) -> int:
+    """Which of loader ``loader``'s batches to NN rank ``batch_id % world_size`` this one is
+    (1-based), in a run of ``world_size`` ranks that sends every batch (ids ``counter *
+    loader_size + loader``; the rank of the ``c``-th one repeats with period ``world_size /
+    gcd(loader_size, world_size)`` in ``c``, and this batch is the last of its residue)."""
+    if loader_size < 1 or world_size < 1 or not 0 <= loader < loader_size or batch_id % loader_size != loader:
+        raise ValueError(f"batch {batch_id} is not one of data loader {loader}/{loader_size}'s")
+    period = world_size // math.gcd(loader_size, world_size)
+    return (batch_id - loader) // loader_size // period + 1
+
+
+def stream_gap(batch_id: int, loader: int, loader_size: int, world_size: int, position: int, delivered: int) -> int:
+    """How many of this loader's batches to this rank lie between what the rank has of it
+    (``position``: its resume point; ``delivered``: acknowledged since) and this batch, the first
+    of a loader process the rank had not heard from: 0 when it is the next one, as for a loader that
+    asked the rank where to start (``nn.position``); more when the process streamed on past a
+    restart of this rank, whose predecessor took the batches in between (trained after the
+    checkpoint, or acknowledged and not trained): gone with it. Negative: the loader resends
+    batches the rank has (a restarted loader that asked while its predecessor's last send was
+    on its way)."""
+    return batch_ordinal(batch_id, loader, loader_size, world_size) - (position + delivered + 1)

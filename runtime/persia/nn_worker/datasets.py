@@ -19,12 +19,17 @@ from persia.data_loader.batch import PersiaBatch
 from persia.data_loader.resume import loader_count_error
 from persia import messages as M
 from persia.errors import DataLoaderFailed, PersiaError, PersiaValidationError
+from persia.nn_worker import checkpoint_plan as plan
 from persia.nn_worker.accounting import ACCOUNT
 from persia.recent_keys import RecentKeys
 
 log = logging.getLogger(__name__)
 
 VIEW_HANDOVER_S = 30.0  # a closed loop's view has this long to hand the stream to the next loop
+# Batches a data loader's first sends to one rank may arrive ahead of their order: one group held
+# per embedding worker while another worker's group goes (``PERSIA_DATA_GROUP``), per worker
+REORDER_PER_WORKER = M.MAX_SEND_GROUP
+SESSION_MEMORY = 1024  # loader processes a rank remembers having admitted or refused
 
 
 class _RoomWaiters:
@@ -97,6 +102,80 @@ class _RankStream:
     view: Any = None  # the open view (a StreamingDataset), if any: ends of stream go to its queue
     view_stop: threading.Event | None = None  # the open view's: set once its loop was closed
     handover: threading.Condition = field(default_factory=threading.Condition, repr=False)  # also guards carry
+    # checking a loader process's first batch (``admit``): this rank, its world size and the
+    # embedding worker count (the reordering a loader's first sends may show), from the context
+    rank: int | None = None
+    world_size: int | None = None
+    embedding_workers: int = 1
+    # (loader, session) -> None (admitted) or why its batches are refused
+    sessions: RecentKeys = field(default_factory=lambda: RecentKeys(SESSION_MEMORY), repr=False)
+
+    def admit(self, msg: dict) -> str | None:
+        """None when this rank takes the batch ``msg``, else why not. The first batch of a loader
+        process this rank has not heard from must follow what the rank has of that loader (the
+        resumed checkpoint's position plus what it acknowledged since: ``plan.stream_gap``), as it
+        does for a loader that asked ``nn.position``. One that skips ahead streamed on past a
+        restart of this rank (SIGKILLed and started again alone, an online Deployment's pod): the
+        batches in between went to the dead process, trained after the checkpoint this one resumed
+        (now undone) or acknowledged and never trained. Taking its batches would lose those in
+        silence and record positions that are no prefix of what was trained, so every batch of
+        that process is refused (``refused`` in the answer: the loader stops and is restarted, and
+        resends from the position). A rank that resumed nothing only says so: without a
+        checkpoint, what came before is not in its model anyway."""
+        session, loader, size = msg.get("session"), int(msg.get("loader", 0)), msg.get("loader_size")
+        if session is None or size is None or self.world_size is None or self.rank is None:
+            return None  # an older sender, or a dataset outside a context: nothing to check against
+        key = (loader, session)
+        with self.lock:
+            if self.sessions.get(key) is not None:
+                return self.sessions.get(key)
+            batch_id = int(msg["batch_id"])
+            if batch_id % self.world_size != self.rank:
+                # sent by a loader that counts another number of NN ranks: it started before the
+                # ranks were rescaled (online: the NN Deployment scaled in place, the loaders not)
+                verdict = (f"NN rank {self.rank} of {self.world_size} got batch {batch_id} of data loader {loader} "
+                           f"(process {session}), which is rank {batch_id % self.world_size}'s: the loader sends "
+                           f"to another number of NN ranks (it started before they changed). Its batches are "
+                           f"refused: restart data loader {loader}, so that it finds the NN ranks again and "
+                           "resends from their positions")
+                log.error("%s", verdict)
+                self.sessions.add(key, verdict)
+                return verdict
+            if key in self.sessions:
+                return None
+            verdict = None
+            position = self._position(loader)
+            if position is not None:
+                gap = plan.stream_gap(batch_id, loader, int(size), self.world_size, position,
+                                      self.delivered[loader])
+                slack = REORDER_PER_WORKER * max(1, self.embedding_workers)
+                if gap > slack:
+                    told = (f"NN rank {self.rank} has {position + self.delivered[loader]} of data loader {loader}'s "
+                            f"batches (position {position}{self._where()}, {self.delivered[loader]} since), but "
+                            f"its process {session} sends batch {msg['batch_id']}, {gap} batches further: it "
+                            f"streamed on past a restart of this rank, whose earlier process took those")
+                    if self.resume is not None:
+                        verdict = (told + ". Its batches are refused: restart data loader " + str(loader) +
+                                   " so that it resends from this rank's position (it asks nn.position)")
+                        log.error("%s; refusing that process's batches", told)
+                    else:
+                        log.warning("%s; this rank resumed no checkpoint, so they are not in its model", told)
+            self.sessions.add(key, verdict)
+            return verdict
+
+    def _position(self, loader: int) -> int | None:
+        """This rank's resume position for ``loader`` in the current run, or None when its batch
+        ordinals cannot be told (positions of earlier runs with other world sizes)."""
+        resume = self.resume or {}
+        if any(((run.get("loaders") or {}).get(str(loader)) or {}) for run in resume.get("earlier") or ()):
+            return None
+        saved = resume.get("world_size")
+        if saved is not None and int(saved) != self.world_size:
+            return None
+        return plan.positions_for_rank(resume.get("loaders") or {}, self.rank).get(loader, 0)
+
+    def _where(self) -> str:
+        return f" in {self.resume.get('path')}" if self.resume and self.resume.get("path") else ""
 
     def on_eos(self, msg: dict) -> Any:
         """An end of stream: to the open view's queue, in order with its batches, or into the
@@ -323,6 +402,12 @@ class StreamingDataset(IterableDatasetBase):
         with self._lock:
             if key in self._state.seen:  # a retried send whose first reply was lost: train it once
                 return {"queued": True, "duplicate": True}
+        refused = self._state.admit(msg)
+        if refused is not None:
+            return {"queued": False, "refused": refused}
+        with self._lock:
+            if key in self._state.seen:
+                return {"queued": True, "duplicate": True}
             self._state.seen.add(key)
         if self._offer(("batch", msg), wait):
             with self._state.lock:
@@ -336,9 +421,13 @@ class StreamingDataset(IterableDatasetBase):
         """Several batches of one data loader (``PERSIA_DATA_GROUP``), queued in order as lone
         ones would be. A full buffer answers busy (or, tried first, would-block) after queueing
         those before it: they count as seen, so the retry of the group queues only the rest."""
+        for batch in msg["batches"]:  # a refused one refuses the group before any of it is queued
+            refused = self._state.admit(batch)
+            if refused is not None:
+                return {"queued": False, "refused": refused}
         for batch in msg["batches"]:
             answer = self._on_batch(batch, wait)
-            if answer is BUSY or answer is WOULD_BLOCK:
+            if answer is BUSY or answer is WOULD_BLOCK or answer.get("refused"):
                 return answer
         return {"queued": True}
 
@@ -431,6 +520,9 @@ class StreamingDataset(IterableDatasetBase):
         Event) is set: a loop closed early, whose unconsumed messages the next view gets.
         ``owner``: the context whose training session this is (the stream's state lives with it)."""
         state = _stream_state(rank, owner)
+        if owner is not None and getattr(owner, "world_size", None) is not None:
+            state.rank, state.world_size = rank, int(owner.world_size)
+            state.embedding_workers = len(getattr(owner, "_workers", None) or ()) or 1
         route_ends(bus, rank)  # ends of stream reach the stream of the moment, views or not
         pending = state.open_view(self, rank, stop, VIEW_HANDOVER_S)
         self._closed = False  # this dataset's earlier view closed it (the same dataset, a new loop)

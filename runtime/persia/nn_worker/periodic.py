@@ -26,6 +26,7 @@ import shutil
 import signal
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -38,6 +39,10 @@ from persia.embedding_ps.checkpoint import write_json_atomic
 from persia.nn_worker import checkpoint_plan as plan
 
 log = logging.getLogger(__name__)
+
+# durations of the latest periodic checkpoints kept on the context (``checkpoint_seconds``): a
+# list of every one grew for as long as training ran (online training never ends)
+CHECKPOINT_TIMES_KEPT = 1000
 
 
 class GracefulStop(SystemExit):
@@ -145,7 +150,8 @@ class PeriodicCheckpointing:
         self.start_step = 0
         self.resumed_from: str | None = None
         self.last_checkpoint: dict | None = None
-        self.checkpoint_seconds: list[float] = []  # how long each periodic checkpoint took
+        # how long each of the latest periodic checkpoints took (all of them: /metrics' histogram)
+        self.checkpoint_seconds: deque[float] = deque(maxlen=CHECKPOINT_TIMES_KEPT)
         self.checkpoint_failures = 0
         self._trained_per_loader: dict[int, int] = {}
         self._base_positions: dict[int, int] = {}  # this run's positions when training started
