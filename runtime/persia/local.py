@@ -552,7 +552,19 @@ def _run_job(args, roles: list[RoleProcess], out: "_Output") -> int:
     summary = out.results[-1] if out.results else {}
     restarted = f" after {job.restarts} restart(s)" if job.restarts else ""
     out.line("local", f"done in {elapsed:.1f}s{restarted}; result: {json.dumps(summary, sort_keys=True)}")
+    idle = untrained_note(summary)
+    if idle:
+        out.line("local", idle)
     return 0
+
+
+def untrained_note(result: dict) -> str | None:
+    """A warning for a job whose trainer reports that it trained and evaluated nothing (pure): it
+    is still done (its programs said so), but not in silence."""
+    if result.get("batches_trained") == 0 and not result.get("batches_evaluated"):
+        return ("WARNING: the NN workers trained no batch (batches_trained 0): the data loaders sent none, "
+                "or none was trained; the roles' warnings above say which")
+    return None
 
 
 class _Progress:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -103,3 +104,13 @@ def test_role_that_cannot_reach_nats_obeys_sigterm(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(10) == 128 + signal.SIGTERM
     assert not alive(proc.pid)
+
+
+def test_a_job_whose_loaders_send_nothing_says_it_trained_nothing():
+    """Before, it ended "done" with every acknowledged batch "accounted for", and nothing said that
+    nothing was trained. Now the loader, the NN rank and the launcher's last line each say so."""
+    run = LocalRun(loader=Path(__file__).resolve().parent / "empty_loader.py", job="empty")
+    assert run.finish() == 0, run.text  # done: the programs did not fail
+    assert "data loader 0 ended its stream without sending a batch: its dataset yielded none" in run.text
+    assert "NN rank 0: every data loader ended its stream without sending a batch (loaders [0])" in run.text
+    assert run.lines[-1].startswith("[local] WARNING: the NN workers trained no batch (batches_trained 0)"), run.lines[-3:]

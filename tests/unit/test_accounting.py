@@ -99,3 +99,28 @@ def test_the_summary_names_the_process_and_warns_only_for_a_real_imbalance(monke
     accounting.log_summary(0, complete=True)
     (rec,) = caplog.records
     assert rec.levelno == logging.WARNING and "-1 acknowledged batches NOT accounted for" in rec.getMessage()
+
+
+def test_a_rank_whose_loaders_sent_nothing_says_it_trained_nothing(caplog):
+    """Before, such a rank logged "every acknowledged batch accounted for" and the job was reported
+    done as if it had trained (an empty file or glob on the loaders' side)."""
+    acc = BatchAccount()
+    acc.announced(0, "a", 0, final=True, failed_sends={})
+    acc.announced(1, "b", 0, final=True, failed_sends={})
+    assert accounting.nothing_trained(acc) == (
+        "every data loader ended its stream without sending a batch (loaders [0, 1]): nothing was trained; "
+        "check what their datasets yield")
+    _arrive(acc, 0, "a", 1)  # one batch arrived: that is not "nothing"
+    assert accounting.nothing_trained(acc) is None
+    assert accounting.nothing_trained(BatchAccount()) is None  # no loader ended a stream (a context not streaming)
+
+
+def test_the_summary_warns_when_nothing_was_trained(monkeypatch, caplog):
+    acc = BatchAccount()
+    acc.announced(0, "a", 0, final=True, failed_sends={})
+    monkeypatch.setattr(accounting, "ACCOUNT", acc)
+    caplog.set_level(logging.INFO, logger=accounting.log.name)
+    accounting.log_summary(0, complete=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == ["NN rank 0: every data loader ended its stream without sending a batch (loaders [0]): "
+                        "nothing was trained; check what their datasets yield"]

@@ -229,3 +229,12 @@ def test_loaders_ending_after_training_are_named_but_do_not_decide_the_job():
         "it; its output above says why)",
     ]
 
+
+
+def test_the_untrained_note_reads_the_trainers_counts():
+    from persia.local import untrained_note
+
+    assert untrained_note({"batches_trained": 0, "batches_evaluated": 0}).startswith("WARNING: the NN workers trained no batch")
+    assert untrained_note({"batches_trained": 0, "batches_evaluated": 3}) is None  # an evaluation-only job
+    assert untrained_note({"batches_trained": 5}) is None
+    assert untrained_note({}) is None  # a trainer that reports no counts: nothing known

@@ -471,6 +471,10 @@ class DataCtx(BaseCtx):
         self._tell_ranks(lambda _rank: message, "end of stream", best_effort=True)
         log.info("data loader %d: end of stream after %d epochs, %d batches acknowledged, failed sends %s",
                  self.replica_index, s.epoch, s.sent_total, dict(s.failed) or "none")
+        if s.sent_total == 0 and not self.skipped and not s.failed:
+            log.warning("data loader %d ended its stream without sending a batch: its dataset yielded none "
+                        "(an empty file or glob, a filter that drops every row, a shard past the end); "
+                        "the NN ranks train nothing from it", self.replica_index)
 
     def _abandon(self) -> None:
         """Stop after an NN rank refused this process's batches (``TrainerRestarted``), telling the

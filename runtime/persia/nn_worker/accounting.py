@@ -190,7 +190,8 @@ ACCOUNT = BatchAccount()
 
 
 def _result_fields() -> dict:
-    return ACCOUNT.as_result() if ACCOUNT.sent or ACCOUNT.received else {}
+    # a rank whose loaders ended their streams empty reports its zeros too (the launcher says so)
+    return ACCOUNT.as_result() if ACCOUNT.sent or ACCOUNT.received or ACCOUNT.ended else {}
 
 
 RESULT_EXTRAS.append(_result_fields)
@@ -204,6 +205,18 @@ def reset() -> None:
 
 def attach_metrics(metrics: Metrics) -> None:
     ACCOUNT.metrics = metrics
+
+
+def nothing_trained(account: BatchAccount) -> str | None:
+    """Why a rank whose stream ended trained nothing, or None (pure): its data loaders ended their
+    streams without a batch. The job still succeeds (a loader with nothing to send is not an error
+    of this rank's), but a job that trained nothing is said so, not reported done in silence."""
+    with account.lock:
+        if account.sent or account.received or account.trained or account.evaluated or not account.ended:
+            return None
+        loaders = sorted({loader for loader, _session in account.ended})
+    return (f"every data loader ended its stream without sending a batch (loaders {loaders}): nothing was trained; "
+            "check what their datasets yield")
 
 
 def log_summary(rank: int, complete: bool) -> None:
@@ -224,6 +237,9 @@ def log_summary(rank: int, complete: bool) -> None:
             if session == RETIRED else
             f"{n} from data loader {loader} process {session or '?'}, which never ended its stream"
             for (loader, session), n in sorted(unannounced.items(), key=str)) + ")"
+    idle = nothing_trained(ACCOUNT)
+    if idle:
+        log.warning("NN rank %d: %s", rank, idle)
     left = ACCOUNT.unaccounted()
     if left:
         log.warning("NN rank %d batches: %s; %d acknowledged batches NOT accounted for", rank, line, left)
