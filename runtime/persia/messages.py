@@ -107,6 +107,8 @@ class Batch(_Msg):
     batch_id: Index
     loader: Index = 0
     loader_size: Annotated[int, Field(ge=1, le=1 << 20)] | None = None  # how many loaders (None: an older sender)
+    # the NN world size the loader routes for (batch_id % world_size; None: an older sender)
+    world_size: Annotated[int, Field(ge=1, le=1 << 20)] | None = None
     session: str | None = Field(default=None, max_length=64)  # the sending loader process's
     epoch: Index = 0
     ref: Index

@@ -14,8 +14,9 @@ def _stream(rank=0, world=1, resume=None, delivered=0) -> _RankStream:
     return s
 
 
-def _msg(batch_id, session="s", loader=0, size=1):
-    return {"batch_id": batch_id, "loader": loader, "loader_size": size, "session": session}
+def _msg(batch_id, session="s", loader=0, size=1, world=None):
+    msg = {"batch_id": batch_id, "loader": loader, "loader_size": size, "session": session}
+    return msg if world is None else {**msg, "world_size": world}
 
 
 CKPT = {"step": 100, "world_size": 1, "loaders": {"0": {"0": 100}}, "earlier": [], "path": "/c/ckpt-100"}
@@ -64,3 +65,14 @@ def test_positions_of_an_earlier_world_size_skip_the_gap_check():
 def test_an_older_sender_without_a_session_is_not_checked():
     s = _stream(resume=CKPT)
     assert s.admit({"batch_id": 900, "loader": 0, "loader_size": 1}) is None
+
+
+def test_a_loader_routing_for_more_ranks_than_there_are_is_refused_after_a_scale_down():
+    """2 ranks scaled down to 1 while a loader streams on: every id is rank 0's under one rank, so
+    the id alone cannot tell (rank 0 took the even ids and the odd ones waited for the departed
+    rank 1); the loader's own count of the ranks, on every batch, does."""
+    s = _stream(rank=0, world=1, resume=None)
+    why = s.admit(_msg(4, world=2))
+    assert why is not None and "routed for 2 NN ranks" in why and "restart data loader 0" in why
+    assert s.admit(_msg(6, world=2)) == why  # the whole process
+    assert s.admit(_msg(7, session="new", world=1)) is None  # its restarted process routes for 1

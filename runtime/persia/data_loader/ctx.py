@@ -206,6 +206,7 @@ class DataCtx(BaseCtx):
                 "batch_id": batch_id,
                 "loader": self.replica_index,
                 "loader_size": self.replica_size,  # recorded in checkpoints, checked on resume
+                "world_size": self.world_size,  # the ranks it routes for: a rescaled rank refuses another count
                 "session": self._stream.session,
                 "ref": ref,
                 "worker": worker,

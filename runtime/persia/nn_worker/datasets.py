@@ -130,12 +130,14 @@ class _RankStream:
             if self.sessions.get(key) is not None:
                 return self.sessions.get(key)
             batch_id = int(msg["batch_id"])
-            if batch_id % self.world_size != self.rank:
+            routed_for = msg.get("world_size")
+            if (routed_for is not None and int(routed_for) != self.world_size) or batch_id % self.world_size != self.rank:
                 # sent by a loader that counts another number of NN ranks: it started before the
                 # ranks were rescaled (online: the NN Deployment scaled in place, the loaders not)
+                counted = f"{routed_for} NN ranks" if routed_for is not None else "another number of NN ranks"
                 verdict = (f"NN rank {self.rank} of {self.world_size} got batch {batch_id} of data loader {loader} "
-                           f"(process {session}), which is rank {batch_id % self.world_size}'s: the loader sends "
-                           f"to another number of NN ranks (it started before they changed). Its batches are "
+                           f"(process {session}), routed for {counted}: the loader sends to another number of "
+                           f"NN ranks than there are (it started before they changed). Its batches are "
                            f"refused: restart data loader {loader}, so that it finds the NN ranks again and "
                            "resends from their positions")
                 log.error("%s", verdict)
