@@ -113,7 +113,7 @@ def _rendezvous_index(role: str, given: int, size: int) -> int:
 
     bus = NatsBus(name=f"rdzv-{role}")
     index, stop = claim_index(bus, role, size)
-    _rendezvous_keepalive.append((bus, stop))  # renewed for as long as this launcher lives
+    _rendezvous_keepalive.append((bus, role, index, stop))  # renewed for as long as this launcher lives
     print(f"persia-launcher: {role} index {index} of {size} from the NATS rendezvous", file=sys.stderr, flush=True)
     return index
 
@@ -218,7 +218,7 @@ def run_data_loader(args) -> int:
     _check_replica(args.replica_index, args.replica_size, "data loader")
     env = dict(os.environ, REPLICA_INDEX=str(args.replica_index), REPLICA_SIZE=str(args.replica_size))
     argv = _script_argv(path, f"data-loader-{args.replica_index}")
-    if _rendezvous_keepalive:  # keep renewing the lease: supervise instead of exec
+    if _rendezvous_keepalive:  # keep renewing the lease (given back at exit): supervise instead of exec
         return _supervise([spawn(argv, env=env, own_session=False)], [f"data loader {args.replica_index}"])
     os.execve(argv[0], argv, env)
     return 0  # not reached
@@ -418,7 +418,21 @@ def main(argv: list[str] | None = None) -> int:
         from persia.serving.cli import run_serve
 
         return run_serve(args)
-    return handlers[args.role](args)
+    try:
+        return handlers[args.role](args)
+    finally:
+        _give_back_rendezvous()
+
+
+def _give_back_rendezvous() -> None:
+    """The launcher exits (its role ended, failed or was stopped): its rendezvous index is free at
+    once for the next pod, instead of after the lease's TTL (30 s, each step of a rolling update)."""
+    from persia.rendezvous import release_index
+
+    while _rendezvous_keepalive:
+        bus, role, index, stop = _rendezvous_keepalive.pop()
+        if release_index(bus, role, index, stop):
+            print(f"persia-launcher: {role} index {index} given back to the NATS rendezvous", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -217,6 +217,14 @@ class RendezvousRenew(_Msg):
     index: Optional[Annotated[int, Field(ge=0, lt=1 << 16)]] = None  # taken back if the table forgot it
 
 
+class RendezvousRelease(_Msg):
+    """``rdzv.release``: a member that exits gives its index back (else it is free after the TTL)."""
+
+    role: Name
+    member: Name
+    index: Annotated[int, Field(ge=0, lt=1 << 16)]
+
+
 # -- gRPC -------------------------------------------------------------------------------------------
 class PsTable(_Msg):
     dim: Dim

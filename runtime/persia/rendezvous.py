@@ -69,6 +69,15 @@ class Assignments:
         self.leases[member] = (held, now + self.ttl_s)
         return True
 
+    def release(self, member: str, index: int) -> bool:
+        """The member gives ``index`` back (it exits): free at once for the next claimant, instead
+        of after the TTL (each step of a rolling update waited for it). False when the member does
+        not hold that index (a late release after its lease expired and was taken: not its own)."""
+        if self.leases.get(member, (None, 0.0))[0] != index:
+            return False
+        del self.leases[member]
+        return True
+
 
 class RendezvousServer:
     def __init__(self, bus: NatsBus, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.monotonic):
@@ -78,6 +87,7 @@ class RendezvousServer:
         self.ttl_s = ttl_s
         bus.serve(subject("rdzv", "claim"), self._claim, blocking=False, schema=M.RendezvousClaim)
         bus.serve(subject("rdzv", "renew"), self._renew, blocking=False, schema=M.RendezvousRenew)
+        bus.serve(subject("rdzv", "release"), self._release, blocking=False, schema=M.RendezvousRelease)
 
     def _table(self, role: str) -> Assignments:
         return self._tables.setdefault(role, Assignments(self.ttl_s))
@@ -93,6 +103,11 @@ class RendezvousServer:
             held = self._table(str(req["role"])).renew(str(req["member"]), self._clock(),
                                                        None if index is None else int(index))
         return {"held": held}
+
+    def _release(self, req: dict):
+        with self._lock:
+            released = self._table(str(req["role"])).release(str(req["member"]), int(req["index"]))
+        return {"released": released}
 
 
 def member_name(host: str | None = None, pid: int | None = None) -> str:
@@ -120,11 +135,24 @@ def _lost(role: str, index: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def release_index(bus: NatsBus, role: str, index: int, stop: threading.Event, timeout: float = 2.0) -> bool:
+    """Stop renewing ``index`` and give it back (best effort: if the table does not answer, the
+    lease expires after its TTL as before). True when the table took it back."""
+    stop.set()
+    try:
+        released = bool(bus.request(subject("rdzv", "release"),
+                                    {"role": role, "member": member_name(), "index": index}, timeout=timeout)["released"])
+    except Exception as exc:  # noqa: BLE001 - exiting anyway: the TTL frees it
+        log.warning("rendezvous: could not give back %s index %d (free again after its lease): %s", role, index, exc)
+        return False
+    return released
+
+
 def claim_index(bus: NatsBus, role: str, size: int, deadline_s: float = 600.0,
                 on_lost: Callable[[str, int], None] = _lost) -> tuple[int, threading.Event]:
     """Claim an index and keep it renewed in a daemon thread until the returned event is set. A
     lease the table forgot is taken back at the same index; one another member took ends this
-    process (``on_lost``)."""
+    process (``on_lost``). ``release_index`` gives it back when the process exits."""
     member = member_name()
     reply = bus.request_retry(subject("rdzv", "claim"), {"role": role, "member": member, "size": size},
                               deadline_s=deadline_s, timeout=2.0, max_backoff=2.0,

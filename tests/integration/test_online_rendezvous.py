@@ -88,3 +88,40 @@ def test_loaders_of_one_machine_get_distinct_indices_and_a_killed_one_rejoins_at
                     os.killpg(p.pid, signal.SIGKILL)
                     p.wait()
         keeper.close()
+
+
+def test_a_loader_that_exits_gives_its_index_back_at_once(persia_env, tmp_path):
+    """A launcher stopped with SIGTERM (a rolling update's old pod) gives its index back as it
+    exits. Before, the index stayed held until its lease expired (the TTL, 30 s by default: here
+    60 s), and the new pod waited that long for it."""
+    from persia.bus import NatsBus
+    from persia.rendezvous import RendezvousServer
+
+    keeper = NatsBus(name="rdzv-keeper")
+    table = RendezvousServer(keeper, ttl_s=60.0)
+    script = tmp_path / "loader.py"
+    script.write_text(SCRIPT)
+    procs: list[subprocess.Popen] = []
+    try:
+        logs = [tmp_path / "dl-old.log", tmp_path / "dl-new.log"]
+        procs.append(_launch(script, logs[0], 1))
+        poll_until(lambda: _index(logs[0], procs[0]) == 0, "the old loader's index", deadline_s=60)
+        # its script runs (the launcher supervises it, SIGTERM forwarded): stopped as a pod is
+        poll_until(lambda: re.search(r"^index 0$", logs[0].read_text(), re.MULTILINE), "the script", deadline_s=60)
+        os.killpg(procs[0].pid, signal.SIGTERM)
+        procs[0].wait(timeout=30)
+        assert "dl index 0 given back to the NATS rendezvous" in logs[0].read_text(), logs[0].read_text()
+        assert table._table("dl").leases == {}
+        procs.append(_launch(script, logs[1], 1))
+        # well within the 60 s lease the old one held
+        poll_until(lambda: _index(logs[1], procs[1]) == 0, "the new loader's index", deadline_s=30)
+    finally:
+        (tmp_path / "loader.py.stop").write_text("")
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        keeper.close()

@@ -42,3 +42,13 @@ def test_a_lease_another_member_took_is_not_taken_back():
     assert a.claim("pod-c", 2, now=11) == 0  # pod-a's lease ran out, pod-c took index 0
     assert not a.renew("pod-a", now=12, index=0)
     assert a.leases["pod-c"][0] == 0 and "pod-a" not in a.leases
+
+
+def test_a_released_index_is_free_at_once_and_only_its_holder_releases_it():
+    t = Assignments(ttl_s=30.0)
+    assert t.claim("a", 2, now=0.0) == 0 and t.claim("b", 2, now=0.0) == 1
+    assert not t.release("b", 0)  # not b's: nothing changes
+    assert t.release("a", 0)
+    assert t.claim("c", 2, now=1.0) == 0  # long before a's lease would have expired
+    assert not t.release("a", 0)  # a late release of a lease since taken by c
+    assert t.leases["c"][0] == 0
