@@ -38,6 +38,18 @@ def _launch(script: Path, log: Path, size: int) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _stop(procs: list[subprocess.Popen], tmp_path: Path) -> None:
+    """Every loader's script told to end; a process still there after 20 s is SIGKILLed."""
+    (tmp_path / "loader.py.stop").write_text("")
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
 def _index(log: Path, proc: subprocess.Popen) -> int | None:
     m = re.search(r"dl index (\d+) of", log.read_text(errors="replace"))
     if m is None and proc.poll() is not None:
@@ -79,14 +91,7 @@ def test_loaders_of_one_machine_get_distinct_indices_and_a_killed_one_rejoins_at
         assert procs[1].poll() is None, logs[1].read_text()
         assert sorted(i for i, _ in table._table("dl").leases.values()) == [0, 1]
     finally:
-        (tmp_path / "loader.py.stop").write_text("")
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        _stop(procs, tmp_path)
         keeper.close()
 
 
@@ -116,12 +121,5 @@ def test_a_loader_that_exits_gives_its_index_back_at_once(persia_env, tmp_path):
         # well within the 60 s lease the old one held
         poll_until(lambda: _index(logs[1], procs[1]) == 0, "the new loader's index", deadline_s=30)
     finally:
-        (tmp_path / "loader.py.stop").write_text("")
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    p.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        _stop(procs, tmp_path)
         keeper.close()
