@@ -288,6 +288,44 @@ def test_a_resume_with_another_number_of_data_loaders_fails_before_anything_is_t
         assert isinstance(errors[0], PersiaError) and "this job has 2" in str(errors[0])
 
 
+def test_a_loader_failure_told_before_the_loop_opens_reaches_the_loop(persia_env, tmp_path, monkeypatch):
+    """A data loader connects as soon as the rank answers ``nn.info`` (at the context's entry), so
+    what it says may come before the rank opens its loop. Its failed end of stream then went to
+    the stream state the process's previous context left (or to nobody), and the loop waited out
+    its timeout instead of stopping with the loader's error (a CI failure under load). Here the
+    loader refuses (another number of loaders than the checkpoint's) and is done telling the rank
+    before the loop opens."""
+    from persia.errors import DataLoaderFailed
+
+    with cluster():
+        run_job(Model(), 4, tmp_path, checkpoint_interval_steps=2)  # leaves this process's stream state
+    monkeypatch.setenv("REPLICA_INDEX", "0")
+    monkeypatch.setenv("REPLICA_SIZE", "2")
+    told, errors = threading.Event(), []
+
+    def loader():
+        try:
+            with DataCtx(send_deadline_s=3, trainer_grace_s=3) as ctx:
+                ctx.send_data(make_batch(0))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            told.set()
+
+    with cluster():
+        loader_stream.reset()
+        model = Model()
+        with pytest.raises(DataLoaderFailed, match="was written with 1 data loaders, this job has 2"):
+            with TrainCtx(model=model, embedding_optimizer=Adagrad(lr=0.1),
+                          dense_optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          checkpoint_dir=str(tmp_path / "ckpts")):
+                threading.Thread(target=loader, daemon=True).start()
+                assert told.wait(60), "the loader never finished"
+                for _batch in DataLoader(StreamingDataset(4), embedding_staleness=1, timeout_ms=20_000):
+                    raise AssertionError("a batch was trained")
+    assert len(errors) == 1 and "this job has 2" in str(errors[0])
+
+
 class OtherRankHas(TrainCtx):
     """A rank of two whose peer has ``peer_batches`` of each epoch's stream: the agreement DDP
     ranks make before every step (``_all_ranks_have``, a gloo all-reduce in a real job) answered

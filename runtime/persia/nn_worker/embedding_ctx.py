@@ -187,6 +187,15 @@ class EmbeddingCtx(EmbeddingCheckpoints, BaseCtx):
         if self.bus is None:
             self.bus = shared_bus()
         if self._nn_info_sub is None:
+            if self._outermost():
+                # what a loader says once it has its answer (an end of stream, its failure) may
+                # come before this context opens its loop: the stream state it is for, and its
+                # route, exist first (it went to the previous context's state, or to nobody, and
+                # the loop waited out its timeout)
+                from persia.nn_worker.datasets import _stream_state, route_ends
+
+                _stream_state(self.rank, self)
+                route_ends(self.bus, self.rank)
             self._nn_info_sub = self.bus.serve(subject("nn", "info"), self._info,
                                                queue="nn", blocking=False, schema=NoPayload)
             self.bus.flush()
