@@ -28,6 +28,9 @@ EMPTY = 0
 TOMBSTONE = 1
 FIRST_ROW = 2  # rows 0 and 1 are the EMPTY / TOMBSTONE sentinels
 MAX_ROWS = (1 << 32) - 1  # row numbers are uint32
+# Slots of all regions together, S*M: the home slot ``hi * (S*M) >> 32`` (numpy and the kernel,
+# uint64 arithmetic) must not wrap, or a home slot leaves its shard's region.
+MAX_SLOTS = 1 << 32
 MAX_LOAD = 0.2
 SLOT_DTYPE = np.uint32
 _S32 = np.uint64(32)
@@ -59,6 +62,26 @@ def home_slots(h: np.ndarray, num_shards: int, slots: int) -> np.ndarray:
 def slots_for_rows(rows: int) -> int:
     """Slots a region needs to hold ``rows`` live entries at :data:`MAX_LOAD`."""
     return max(8, int(rows / MAX_LOAD) + 1)
+
+
+def slots_for_region(rows: int, num_shards: int) -> int:
+    """Slots per region for regions of ``rows`` rows: :func:`slots_for_rows`, except that all
+    ``num_shards`` regions together keep to :data:`MAX_SLOTS`. Past ``0.2 * 2**32`` rows in all
+    (859M rows of one dim on one PS), ``hi * (S*M)`` overflowed 64 bits and wrapped, so ~14% of
+    the home slots of a 1e9-row table fell in another shard's region (an entry then lived under
+    another shard's lock, and that region's rebuild dropped it). The load then rises above
+    :data:`MAX_LOAD`, up to 1/2 (the most that keeps every probe sequence short of a full lap);
+    a region that would need more raises ``ValueError``."""
+    slots = slots_for_rows(rows)
+    if num_shards * slots <= MAX_SLOTS:
+        return slots
+    slots = MAX_SLOTS // num_shards
+    if rows > slots // 2:
+        raise ValueError(
+            f"{num_shards} internal shards of {rows} rows each ({num_shards * rows} rows of one dim) do not fit one "
+            f"PS table's index (at most {slots // 2} rows per shard, {num_shards * (slots // 2)} rows of one dim): "
+            f"lower embedding_parameter_server_config.capacity or run more PS replicas")
+    return slots
 
 
 def next_slots(pos: np.ndarray, slots: int) -> np.ndarray:

@@ -16,7 +16,7 @@ from persia import messages as M
 from persia import rpc
 from persia.bus import NatsBus, subject
 from persia.embedding_ps.checkpoint import checkpoint_layout
-from persia.embedding_ps.optimizers import optimizer_from_wire
+from persia.embedding_ps.optimizers import optimizer_from_wire, state_width
 from persia.embedding_ps.store import EmbeddingStore, HyperParameters
 from persia.metrics import Metrics, register_stats, start_exporter
 from persia.recent_keys import RecentKeys
@@ -29,6 +29,11 @@ SERVICE = "persia.EmbeddingParameterServer"
 
 class NotConfiguredError(RuntimeError):
     pass
+
+
+# What a reply carries beyond its arrays (msgpack framing, keys, array headers, the applied seqs of
+# a usual replay): kept free below rpc.MAX_MESSAGE_BYTES when a lookup's reply is sized up front.
+_REPLY_SLACK = 1 << 20
 
 
 def _first_bad(grads: np.ndarray) -> str:
@@ -283,7 +288,46 @@ class EmbeddingParameterServer:
         return out
 
     # -- data path --------------------------------------------------------------------------------
+    def _reply_bytes(self, lookups: list) -> int:
+        """Bytes of the arrays the replies to ``lookups`` (PsLookup dicts) will carry: float32
+        rows, and with ``state`` the rows' optimizer state and the int32 ``absent`` positions
+        (all of them at worst). The request's element limit bounds the rows only; the state is up
+        to ``2*dim + 1`` floats more per ID (Adam)."""
+        total = 0
+        opt = self.store.optimizer
+        tables = self.store._tables  # dim -> DimTable (read-only look at the state widths)
+        for q in lookups:
+            if q is None:
+                continue
+            want_state = bool(q.get("state", False))
+            for t in q["tables"]:
+                n, dim = len(t["signs"]), int(t["dim"])
+                per_id = dim
+                if want_state:
+                    table = tables.get(dim)
+                    per_id += max(state_width(opt, dim), table.state_width if table is not None else 0) + 1
+                total += 4 * n * per_id
+        return total
+
+    def _check_reply_fits(self, lookups: list, field: str) -> None:
+        """Refuse (ValueError: INVALID_ARGUMENT) a request whose reply could not be sent, before
+        anything is applied or created: gRPC refuses an oversized reply only after the handler
+        ran, so a Step's gradients were applied (and a training lookup's rows created) while its
+        caller got an error, and sending the same Step again applied them twice."""
+        limit = rpc.MAX_MESSAGE_BYTES - _REPLY_SLACK
+        size = self._reply_bytes(lookups)
+        if size > limit:
+            raise ValueError(
+                f"PS replica {self.replica_index}: field {field!r} asks for a reply of {size} bytes (rows"
+                f"{' and optimizer state' if any(q and q.get('state') for q in lookups) else ''}), more than "
+                f"the {limit} one gRPC message may carry (rpc.MAX_MESSAGE_BYTES less {_REPLY_SLACK} of framing); "
+                "nothing was applied: send fewer IDs per request")
+
     def lookup(self, req: dict) -> dict:
+        self._check_reply_fits([req], "tables")
+        return self._lookup(req)
+
+    def _lookup(self, req: dict) -> dict:
         train = bool(req["train"])
         if train and not self._configured:
             raise NotConfiguredError(
@@ -344,10 +388,14 @@ class EmbeddingParameterServer:
         is the lookup's (``state``, ``absent``, ``applied`` when asked) plus ``missing``. With
         ``lookups`` (several batches' lookups, for one call instead of one each), the reply's
         ``lookups`` holds each one's answer in order (None where none was asked)."""
+        if req.get("lookups"):
+            self._check_reply_fits(req["lookups"], "lookups")
+        elif req.get("lookup"):
+            self._check_reply_fits([req["lookup"]], "lookup")
         missing = self.update(req["update"])["missing"] if req.get("update") else 0
         if req.get("lookups"):
-            return {"lookups": [None if q is None else self.lookup(q) for q in req["lookups"]], "missing": missing}
-        out = self.lookup(req["lookup"]) if req.get("lookup") else {"rows": []}
+            return {"lookups": [None if q is None else self._lookup(q) for q in req["lookups"]], "missing": missing}
+        out = self._lookup(req["lookup"]) if req.get("lookup") else {"rows": []}
         out["missing"] = missing
         return out
 

@@ -92,8 +92,8 @@ class DimTable:
 
     # -- storage --------------------------------------------------------------------------------
     def _allocate(self, rows_per_region: int) -> None:
+        self.M = ix.slots_for_region(rows_per_region, self.num_shards)
         self.R = rows_per_region
-        self.M = ix.slots_for_rows(rows_per_region)
         n = self._total_rows()
         self.rows = zeros_aligned((n, self.width), np.float32)  # calloc: pages appear when touched
         self.state = zeros_aligned((n, self.state_width), np.float32)
@@ -400,11 +400,15 @@ class DimTable:
         old_r = self.R
         if rows_per_region <= old_r:
             return
+        # sized (and refused) before anything changes: a refused growth leaves the table usable
+        slots = ix.slots_for_region(rows_per_region, self.num_shards)
+        n = ix.FIRST_ROW + self.num_shards * rows_per_region
+        if n > ix.MAX_ROWS:
+            raise ValueError(f"{n} rows of dim {self.dim} do not fit one PS table (at most {ix.MAX_ROWS})")
         hw = self.high_water
         self.signs_of_rows = self.stamps = self._rows_v = self._state_v = None  # drop views so old arrays can go
         self.R = rows_per_region
-        self.M = ix.slots_for_rows(rows_per_region)
-        n = self._total_rows()
+        self.M = slots
         first = ix.FIRST_ROW
         for name, width in (("rows", self.width), ("state", self.state_width)):  # stamps are in rows
             old = getattr(self, name)
@@ -420,11 +424,17 @@ class DimTable:
             self.rebuild_region(k)
 
     def reset_state(self, state_width: int, state_init: float) -> None:
-        """New optimizer state for every row (a different optimizer was registered)."""
+        """New optimizer state for every row (a different optimizer was registered). Only the
+        rows below each shard's high-water mark are written: a row above it gets its state when it
+        is created, and the preallocated arrays stay untouched (calloc), where filling them all
+        made the whole preallocation resident (dim 1024, 100 shards: +420 MB for 1,000 rows)."""
         self.state_width = state_width
         self.state_init = float(state_init)
         self.state = zeros_aligned((self._total_rows(), state_width), np.float32)
-        self.state.fill(self.state_init)
+        if self.state_init != 0.0 and state_width:
+            for k in np.flatnonzero(self.high_water).tolist():
+                base = self.base(k)
+                self.state[base : base + int(self.high_water[k])] = self.state_init
         self._views()
 
     # -- optimizer ------------------------------------------------------------------------------
