@@ -137,15 +137,14 @@ def write_rows_file(
         crc = zlib.crc32(arr, crc)
     header = encode_header(kind, state_code, dim, width, rows, crc, int(time.time() * 1000))
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+
+    def write(f) -> None:
         f.write(header)
         for arr in (signs, weights, state):
             if arr.size:
                 f.write(memoryview(arr).cast("B"))
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+    _write_replace(tmp, path, "wb", write, fsync)
     return {"file": path.name, "dim": dim, "state_width": width, "state_code": state_code,
             "rows": rows, "payload_crc32": crc}
 
@@ -222,15 +221,41 @@ def read_rows_file(path: Path, expect: dict | None = None) -> tuple[FileHeader, 
 
 
 def write_json_atomic(path: Path, payload: dict, fsync: bool = True) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=1)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _write_replace(path.with_name(path.name + ".tmp"), path, "w", lambda f: json.dump(payload, f, indent=1), fsync)
     if fsync:
         _fsync_dir(path.parent)
+
+
+def storage_error(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path`` (same type and errno): a ``write`` or ``fsync`` that fails (ENOSPC,
+    EIO, EDQUOT) raises an OSError without a file name, and "[Errno 28] No space left on device"
+    reached the trainer's log without saying which disk."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    out = type(exc)(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
+    out.__cause__ = exc
+    return out
+
+
+def _write_replace(tmp: Path, path: Path, mode: str, write, fsync: bool) -> None:
+    """``write(f)`` into ``tmp`` (fsynced), renamed onto ``path``. On failure the partial ``tmp``
+    is removed (a full disk kept every failed attempt's partial file, which no later dump matched
+    or removed) and an OSError names the file."""
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, OSError):
+            raise storage_error(exc, tmp) from exc
+        raise
 
 
 def read_manifest(path: Path) -> dict:

@@ -384,12 +384,29 @@ def read_packet(packet: Path, replica_index: int, replica_size: int) -> tuple[fl
     return float(created), by_dim
 
 
+READ_ATTEMPTS = 3  # polls in which a packet that hit an I/O error is read before it is rejected
+
+
+def read_failure(exc: BaseException, attempts: int, max_attempts: int = READ_ATTEMPTS) -> str:
+    """What an inference PS does about a packet whose read failed for the ``attempts``-th time
+    (pure): ``"retry"`` at the next poll, applying no later packet meanwhile (a later packet
+    applied first would be overwritten with older rows by the retried one), or ``"reject"``.
+    An I/O error (EIO, ESTALE on NFS, EACCES until a volume's permissions are fixed) may pass;
+    every packet was rejected at its first failure, and its rows never reached the served model
+    until they changed again. A packet that is gone (retention) or invalid is rejected at once."""
+    err = exc if isinstance(exc, OSError) else exc.__context__
+    if not isinstance(err, OSError) or isinstance(err, (FileNotFoundError, NotADirectoryError)):
+        return "reject"
+    return "retry" if attempts < max_attempts else "reject"
+
+
 class IncrementalApplier:
     """Inference side: applies packets it has not applied yet to a store, oldest first.
 
     Call :meth:`poll` (or :meth:`start` a thread polling every ``interval`` seconds). A packet that
     cannot be read, or fails in any way, is logged with the reason, counted in ``rejected`` and not
-    retried; the packets after it are applied as usual. A packet is read and validated whole (every
+    retried; the packets after it are applied as usual. An I/O error reading it is retried first
+    (``read_failure``: up to ``READ_ATTEMPTS`` polls, later packets waiting). A packet is read and validated whole (every
     file, no sign twice in a dim) before any of its rows is written, so only an unexpected store
     failure can leave one partly applied (logged with the rows written). A missing
     ``incremental_dir`` (a typo, a volume mounted elsewhere) would leave the served embeddings
@@ -406,6 +423,7 @@ class IncrementalApplier:
         self.replica_size = replica_size
         self.applied: set[str] = set()  # of the packets still there (pending() prunes the rest)
         self.rejected: set[str] = set()
+        self.read_attempts: dict[str, int] = {}  # packets whose read failed with an I/O error, retried
         self.packets_applied = self.packets_rejected = 0  # since start, deleted packets included
         self.rows_applied = 0
         self.last_delay_sec: float | None = None  # PERSIA's inc_update_delay_sec
@@ -420,6 +438,7 @@ class IncrementalApplier:
         present = {str(p.relative_to(self.directory)) for p in packets}
         self.applied &= present
         self.rejected &= present
+        self.read_attempts = {k: n for k, n in self.read_attempts.items() if k in present}
         seen = self.applied | self.rejected
         return [p for p in packets if str(p.relative_to(self.directory)) not in seen]
 
@@ -433,6 +452,13 @@ class IncrementalApplier:
                 # read and validated whole (every file, every dim) before any row is written
                 created, by_dim = read_packet(packet, self.replica_index, self.replica_size)
             except Exception as exc:  # noqa: BLE001 - any failure rejects this packet, not the later ones
+                attempts = self.read_attempts[key] = self.read_attempts.get(key, 0) + 1
+                if read_failure(exc, attempts) == "retry":
+                    log.warning("incremental packet %s could not be read (attempt %d of %d; read again at the next "
+                                "poll, later packets wait for it): %s: %s", packet, attempts, READ_ATTEMPTS,
+                                type(exc).__name__, exc)
+                    break
+                self.read_attempts.pop(key, None)
                 log.error("incremental packet %s rejected (nothing applied): %s: %s", packet, type(exc).__name__, exc)
                 self.rejected.add(key)
                 self.packets_rejected += 1
@@ -450,6 +476,7 @@ class IncrementalApplier:
                 self.packets_rejected += 1
                 continue
             written += done
+            self.read_attempts.pop(key, None)
             self.applied.add(key)
             self.packets_applied += 1
             if created:

@@ -44,8 +44,34 @@ CHECKPOINT_FORMAT = "persia-k8s-checkpoint/1"
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """``write(tmp)`` then a rename onto ``path``: a reader never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)  # a full disk kept every failed attempt's partial file
+        if isinstance(exc, Exception):
+            raise write_failure(exc, tmp) from exc
+        raise
+
+
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def write_failure(exc: Exception, path: Path) -> OSError:
+    """What a failed write of ``path`` raises: an OSError naming the file, with the space left on
+    its filesystem. ``torch.save`` on a full disk said only ``[enforce fail at
+    inline_container.cc:672] . unexpected pos 576 vs 534`` (no path, no errno)."""
+    errno_ = exc.errno if isinstance(exc, OSError) else None
+    reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+    free = _free_bytes(path)
+    where = f" ({free} bytes free on its filesystem)" if free is not None else ""
+    return OSError(errno_, f"cannot write {path}{where}: {reason}") if errno_ is not None else \
+        OSError(f"cannot write {path}{where}: {reason}")
 
 
 def begin_dump(directory: Path) -> None:
@@ -326,7 +352,7 @@ class EmbeddingCheckpoints:
             raise FileNotFoundError(f"{dense_path}: no dense model file (dense_filename {dense_filename!r}); "
                                     "nothing was loaded. load_embedding() loads the embeddings alone")
         module = self._dense_module()
-        state = torch.load(dense_path, map_location=map_location or self.device, weights_only=True)
+        state = load_state_file(dense_path, map_location or self.device)
         check_state_dict(module.state_dict(), state, dense_path)
         return [lambda: module.load_state_dict(state)]
 
@@ -350,11 +376,27 @@ class EmbeddingCheckpoints:
     def load_torch_state_dict(self, torch_instance, src_dir: str, map_location: str | None = None) -> None:
         """PERSIA's: ``src_dir`` is the file ``dump_torch_state_dict`` wrote (tensors only: no
         pickled code is loaded)."""
-        state = torch.load(self._local_dir(src_dir), map_location=map_location or self.device, weights_only=True)
+        state = load_state_file(Path(self._local_dir(src_dir)), map_location or self.device)
         torch_instance.load_state_dict(state)
 
 class CheckpointLoadError(RuntimeError):
     """A checkpoint that was not loaded; nothing live changed (unless the message says restart)."""
+
+
+def load_state_file(path: Path, map_location) -> Any:
+    """``torch.load`` (tensors only) of a checkpoint's state file; a file that cannot be read is a
+    ``CheckpointLoadError`` naming it. A truncated ``dense.pt`` said only ``PytorchStreamReader
+    failed reading zip archive: failed finding central directory``, an empty one a bare
+    ``EOFError``: which file of which checkpoint, the resume did not say."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - every way a damaged file fails
+        try:
+            size = f"{path.stat().st_size} bytes"
+        except OSError:
+            size = "size unknown"
+        raise CheckpointLoadError(f"{path}: unreadable ({size}; truncated or corrupted after it was written?): "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}; nothing was loaded") from exc
 
 
 def check_state_dict(current: dict, loaded: Any, path: Path) -> None:

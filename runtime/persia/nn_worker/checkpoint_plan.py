@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 CHECKPOINT_PREFIX = "ckpt-"
 TMP_PREFIX = ".tmp-ckpt-"
 COMPLETE = "COMPLETE"
+LOCK = ".writer.lock"  # where a directory cannot be flock'ed itself (periodic.dir_lock)
 PROGRESS = "progress.json"
 FORMAT = "persia-k8s-checkpoint/2"
 _NAME = re.compile(r"^ckpt-(\d{12})$")
@@ -127,11 +128,15 @@ def complete_checkpoints(entries: Iterable[tuple[str, bool]]) -> list[tuple[int,
     return sorted(out)
 
 
-def to_delete(complete: list[tuple[int, str]], keep: int) -> list[str]:
-    """Names of the complete checkpoints beyond the newest ``keep`` (retention)."""
+def to_delete(complete: list[tuple[int, str]], keep: int, published: str | None = None) -> list[str]:
+    """Names of the complete checkpoints beyond the newest ``keep`` (retention), never
+    ``published`` (the checkpoint the cut just wrote): in a directory that already holds ``keep``
+    checkpoints of higher steps (``resume: never`` or a resume from an older path into a used
+    directory, a second job), "the newest ``keep``" left it out, and every checkpoint of the run
+    was deleted the moment it was published: a restart then had none of its own to resume from."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    return [name for _, name in sorted(complete)[:-keep]]
+    return [name for _, name in sorted(complete)[:-keep] if name != published]
 
 
 ENV_RUN_ID = "PERSIA_RUN_ID"

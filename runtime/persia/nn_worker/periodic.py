@@ -18,12 +18,16 @@ batches already trained (``persia.data_loader.resume``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
+import errno
+import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -67,7 +71,10 @@ def read_progress(path: Path) -> dict:
     f = path / plan.PROGRESS
     if not f.exists():
         return {"step": 0, "world_size": None, "loaders": {}}
-    data = json.loads(f.read_text())
+    try:
+        data = json.loads(f.read_text())
+    except ValueError as exc:  # truncated or damaged after it was written: json named no file
+        raise ValueError(f"{f}: malformed progress file (truncated or corrupted?): {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("step"), int) or not isinstance(data.get("loaders"), dict):
         raise ValueError(f"{f}: malformed progress file")
     size = data.get("loader_size")
@@ -83,11 +90,14 @@ def read_progress(path: Path) -> dict:
 def publish(tmp: Path, final: Path, marker: dict) -> None:
     """COMPLETE (written atomically, fsynced) inside ``tmp``, then ``tmp`` renamed to ``final``."""
     write_json_atomic(tmp / plan.COMPLETE, marker)
+    trash = None
     if final.exists():  # the same step written again (a resumed job passing it once more)
         trash = final.with_name(plan.TMP_PREFIX + "old-" + final.name)
-        os.replace(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
-    os.replace(tmp, final)
+        os.replace(final, trash)
+    os.replace(tmp, final)  # the old copy is removed only once the new one is published
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
     fd = os.open(final.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,7 +121,105 @@ def own_checkpoints(directory: Path | None, complete: list[tuple[int, str]]) -> 
     return own
 
 
+LOCK_WAIT_S = 120.0  # how long a cut waits for another writer of the same directory
+
+
+class CheckpointDirBusy(OSError):
+    """Another process holds ``checkpoint_dir``'s writer lock (two jobs share the directory)."""
+
+
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+@contextlib.contextmanager
+def dir_lock(directory: Path, what: str, wait_s: float | None = None, poll_s: float = 0.1):
+    """Holds ``directory``'s writer lock (``flock`` of the directory itself, released when the
+    holder exits or dies) while a checkpoint is written and retention applied. Each cut removed
+    *every* ``.tmp-ckpt-*`` directory as a killed writer's: with two jobs pointed at the same
+    ``checkpoint_dir`` (a job launched twice, a zombie of an earlier launch), one removed the
+    other's checkpoint while it was being written, and both (their cuts at the same multiples of
+    the interval) wrote into the same ``.tmp-ckpt-<step>``: a failed checkpoint, or one published
+    with the other job's files. After ``wait_s`` (``LOCK_WAIT_S``) a ``CheckpointDirBusy`` names
+    the directory and the holder. Where a directory cannot be locked (NFS wants a writable
+    descriptor) the lock is ``directory/.writer.lock``; a filesystem without locks is logged and
+    written unlocked."""
+    wait_s = LOCK_WAIT_S if wait_s is None else wait_s
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, on_file = os.open(directory, os.O_RDONLY | os.O_DIRECTORY), False
+    try:
+        deadline, said = time.monotonic() + wait_s, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = _lock_holder(directory / plan.LOCK if on_file else directory)
+                if time.monotonic() >= deadline:
+                    raise CheckpointDirBusy(errno.EBUSY, f"checkpoint_dir {directory} is being written by another "
+                                            f"process ({holder}) for more than {wait_s:.0f}s; two jobs pointed at "
+                                            f"the same checkpoint_dir? no {what}", str(directory)) from None
+                if not said:
+                    said = True
+                    log.warning("checkpoint_dir %s is being written by another process (%s): the %s waits for it "
+                                "(two jobs pointed at the same checkpoint_dir?)", directory, holder, what)
+                time.sleep(poll_s)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS + (errno.EBADF,):
+                    raise
+                why = exc
+                if not on_file:
+                    try:
+                        lock_fd = os.open(directory / plan.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+                    except OSError as open_exc:  # a read-only directory: a resume still reads it
+                        why = open_exc
+                    else:
+                        os.close(fd)
+                        fd, on_file = lock_fd, True
+                        continue
+                log.warning("checkpoint_dir %s: cannot lock it (%s): the %s runs unlocked; "
+                            "two jobs must not share it", directory, why, what)
+                break
+        if on_file:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{socket.gethostname()} pid {os.getpid()}: {what}".encode(), 0)
+            except OSError:  # informative only (a full disk: the cut itself will say so)
+                pass
+        yield
+    finally:
+        os.close(fd)
+
+
+def _lock_holder(path: Path) -> str:
+    """Who holds the lock of ``path``: a lock file's content, else ``/proc/locks`` (same host)."""
+    try:
+        if path.is_file():
+            return path.read_text().strip() or "unknown"
+        st = os.stat(path)
+        dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and dev in fields and "->" not in fields:
+                return f"{socket.gethostname()} pid {fields[fields.index(dev) - 1]}"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "another host, or unknown"
+
+
+def remove_stale(directory: Path) -> None:
+    """Removes the temporary directories a killed writer (or an interrupted retention) left; under
+    the writer lock, so never a live writer's."""
+    for stale in directory.glob(plan.TMP_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 def write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], None], keep: int) -> dict:
+    """Under ``dir_lock``: see ``_write_cut``."""
+    with dir_lock(directory, f"checkpoint of step {int(progress['step'])}"):
+        return _write_cut(directory, progress, write_parts, keep)
+
+
+def _write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], None], keep: int) -> dict:
     """Write one checkpoint: ``progress.json`` and ``write_parts(tmp)`` into ``.tmp-ckpt-<step>``,
     then publish it (``COMPLETE``, rename) and apply retention. A writer killed anywhere before the
     rename leaves only a temporary directory, which no reader looks at and the next cut removes
@@ -120,8 +228,7 @@ def write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], Non
     step = int(progress["step"])
     tmp = directory / plan.tmp_name(step)
     final = directory / plan.checkpoint_name(step)
-    for stale in directory.glob(plan.TMP_PREFIX + "*"):  # this step's, or a killed writer's
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_stale(directory)  # this step's, or a killed writer's
     tmp.mkdir(parents=True)
     try:
         write_json_atomic(tmp / plan.PROGRESS, progress)
@@ -135,9 +242,37 @@ def write_cut(directory: Path, progress: dict, write_parts: Callable[[Path], Non
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     marker["path"] = str(final)
-    for name in plan.to_delete(scan(directory), keep):
-        shutil.rmtree(directory / name, ignore_errors=True)
+    try:
+        doomed = plan.to_delete(scan(directory), keep, published=final.name)
+    except OSError as exc:  # the checkpoint is published: a failed retention must not undo that
+        log.warning("retention skipped after publishing %s: cannot list %s: %s", final, directory, exc)
+        doomed = []
+    for name in doomed:
+        retire(directory / name)
     return marker
+
+
+def retire(path: Path) -> bool:
+    """Delete a published checkpoint (retention): first renamed to a temporary name, which no
+    reader picks and the next cut removes, then removed. ``shutil.rmtree`` alone removed files in
+    directory order, so a deletion that failed or was killed part-way (a read-only file, EBUSY, a
+    SIGKILL during minutes of unlinking on a network volume) left ``ckpt-<step>`` with its
+    ``COMPLETE`` marker and some of its files gone: a resume could pick it. Failures are logged
+    with the path; False when the checkpoint is still published."""
+    trash = path.with_name(plan.TMP_PREFIX + "del-" + path.name)
+    try:
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(path, trash)
+    except OSError as exc:
+        log.warning("retention: cannot delete checkpoint %s (it stays published): %s", path, exc)
+        return False
+    try:
+        shutil.rmtree(trash)
+    except OSError as exc:
+        log.warning("retention: checkpoint %s unpublished but not all of it removed (%s); the next checkpoint "
+                    "tries again: %s", path, trash, exc)
+    return True
 
 
 class PeriodicCheckpointing:
@@ -178,9 +313,11 @@ class PeriodicCheckpointing:
         dense part, rank 0 the embeddings (stage on every PS, then commit)."""
         directory, s = self._ckpt_dir, self.checkpoint_settings
         if directory is not None and self.rank == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            for stale in directory.glob(plan.TMP_PREFIX + "*"):  # left by a killed writer
-                shutil.rmtree(stale, ignore_errors=True)
+            try:
+                with dir_lock(directory, "resume's clean-up", wait_s=0.0):
+                    remove_stale(directory)  # left by a killed writer
+            except CheckpointDirBusy as exc:  # another job writes there now: its files are not stale
+                log.warning("%s; its temporary files are left alone", exc)
         complete = scan(directory) if directory is not None else []
         choice = plan.resume_choice(s.resume, complete, own_checkpoints(directory, complete))
         if choice is None:
@@ -308,9 +445,10 @@ class PeriodicCheckpointing:
             except Exception as exc:  # noqa: BLE001 - a full disk must not end days of training
                 self.checkpoint_failures += 1
                 self._checkpoint_metric("inc", "checkpoint_failures")
+                # after a resume, the checkpoint resumed from is the last one (it said "None")
+                stands = (self.last_checkpoint or {}).get("path") or self.resumed_from
                 log.error("checkpoint of step %d failed, training goes on (the last published checkpoint, %s, "
-                          "stands): %s: %s", self.step, (self.last_checkpoint or {}).get("path"),
-                          type(exc).__name__, exc)
+                          "stands): %s: %s", self.step, stands or "none yet", type(exc).__name__, exc)
         self._barrier()
         self._last_ckpt_step, self._last_ckpt_time = self.step, time.monotonic()
         elapsed = time.monotonic() - t0

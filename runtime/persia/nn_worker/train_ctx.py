@@ -29,7 +29,7 @@ from persia.nn_worker.embedding_ctx import (
 )
 from persia.nn_worker.progress import TrainingProgress
 from persia.nn_worker import checkpoint_plan
-from persia.nn_worker.checkpoint import check_optimizer_state, require_whole, write_atomically
+from persia.nn_worker.checkpoint import check_optimizer_state, load_state_file, require_whole, write_atomically
 from persia.nn_worker.cpu_placement import TrainingPlacement
 from persia.nn_worker.periodic import GracefulStop, PeriodicCheckpointing
 from persia.nn_worker.accounting import ACCOUNT, attach_metrics, log_summary
@@ -795,7 +795,7 @@ class TrainCtx(PeriodicCheckpointing, EmbeddingCtx):
             log.warning("%s: no dense optimizer file (opt_filename %r): the dense optimizer starts afresh",
                         opt_path, opt_filename)
         else:
-            opt_state = torch.load(opt_path, map_location=map_location or self.device, weights_only=True)
+            opt_state = load_state_file(opt_path, map_location or self.device)  # a damaged one named
             check_optimizer_state(self.dense_optimizer, opt_state, opt_path)
             appliers.append(lambda: self.dense_optimizer.load_state_dict(opt_state))
         return appliers
