@@ -69,6 +69,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench-ps: $(STAMP)
 	$(PY) bench/ps_bench.py
+	$(PY) bench/ps_capacity.py
 
 bench-smoke: $(STAMP)
 	$(PY) -m bench.e2e_bench --smoke

@@ -296,8 +296,10 @@ class DimTable:
     def insert_across(self, shards: np.ndarray, signs, h, stamp: int, lower: float, upper: float,
                       seed: int = 0) -> np.ndarray:
         """:meth:`insert` of absent ``signs`` spread over several shards (``shards[i]`` is sign
-        i's), with initial values. The caller owns those shards, checked ``room`` and that they
-        have no tombstones (so the index insert reuses none). Returns the rows."""
+        i's), with initial values. The caller owns those shards and checked ``room``. The index
+        insert may reuse tombstoned slots; the shards' ``tombstones`` counts then stay as they
+        were, an upper bound (one call does not tell which shard reused how many): a region is
+        only rebuilt sooner, when the count says half its slots are taken. Returns the rows."""
         m = signs.shape[0]
         g = np.empty(m, dtype=np.int64)
         order = np.argsort(shards, kind="stable")
@@ -311,19 +313,24 @@ class DimTable:
             self.high_water[ks] += counts
             self.live[ks] += counts
         else:
-            for k, a, c in zip(ks.tolist(), starts.tolist(), counts.tolist()):
+            # freed rows first (the last ones freed), then rows past the high-water mark; at
+            # capacity this loop runs for every shard a lookup touches, so it does little per shard
+            bases = self.base(ks)
+            for k, a, c, base in zip(ks.tolist(), starts.tolist(), counts.tolist(), bases.tolist()):
                 free = self.free[k]
-                reuse = min(free.shape[0], c)
-                hw = int(self.high_water[k])
-                local = np.concatenate([free[free.shape[0] - reuse :], np.arange(hw, hw + c - reuse)])
-                self.free[k] = free[: free.shape[0] - reuse]
-                self.high_water[k] += c - reuse
-                self.live[k] += c
-                g[order[a : a + c]] = local + self.base(k)
+                nf = free.shape[0]
+                if nf >= c:
+                    local = free[nf - c :]
+                    self.free[k] = free[: nf - c]
+                else:
+                    hw = int(self.high_water[k])
+                    local = np.concatenate([free, np.arange(hw, hw + c - nf)])
+                    self.free[k] = free[:0]
+                    self.high_water[k] += c - nf
+                g[order[a : a + c]] = local + base
+            self.live[ks] += counts
         self._init_rows(g, signs, stamp, lower, upper, seed)
-        reused = self._index_insert(h, g)
-        if reused:
-            raise RuntimeError(f"insert_across reused {reused} tombstoned slots: the caller must rule them out")
+        self._index_insert(h, g)
         return g
 
     def overwrite(self, rows: np.ndarray, weights: np.ndarray, state: np.ndarray | None) -> None:
