@@ -100,25 +100,6 @@ def test_a_writer_that_holds_the_directory_too_long_is_a_clear_error(tmp_path, m
 
 
 # -- a full disk under a training job: real nats-server, PS replicas, embedding workers -----------
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs (a real ENOSPC); skipped where mounting is not permitted (CI without root)."""
-    import os
-    import shutil
-
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs for a real ENOSPC")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _fill(directory: Path) -> None:
     with open(directory / "filler", "wb", buffering=0) as f:
         try:

@@ -26,22 +26,6 @@ from persia.nn_worker.checkpoint import (
 from persia.nn_worker.periodic import scan, write_cut
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 1 MiB tmpfs (a real ENOSPC); skipped where mounting is not permitted (CI without root)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a small tmpfs for a real ENOSPC")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here: {r.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def _store(rows: int, dim: int = 32) -> EmbeddingStore:
     s = EmbeddingStore(rows * 2, 4, seed=0)
     s.configure(HyperParameters(init_lower=-0.1, init_upper=0.1))
