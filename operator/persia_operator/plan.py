@@ -61,17 +61,24 @@ def _stale_config(job: str, manifests: list[dict[str, Any]], children: Children,
     training workload of the current attempt exists (resumed after "suspend, edit, resume", or
     between attempts): it was only ever created, so resumed pods read the configs the job was
     first submitted with. Never while the attempt runs: a pod restarted then would read other
-    configs than its peers. (The NATS ConfigMap is left as it is: docs/operator.md.)"""
+    configs than its peers. (The NATS ConfigMap: ``_stale_nats_config``.)"""
     if any(w.role in C.TRAINING_ROLES and w.attempt == attempt and not w.deleting
            for w in children.workloads.values()):  # fmt: skip
         return None
-    name = naming.config_map_name(job)
+    return _rewritten(naming.config_map_name(job), manifests, children,
+                      keys=(C.GLOBAL_CONFIG_FILE, C.EMBEDDING_CONFIG_FILE))
+
+
+def _rewritten(name: str, manifests: list[dict[str, Any]], children: Children,
+               keys: tuple[str, ...] | None = None) -> Patch | None:
+    """A patch of ConfigMap ``name`` to the rendered content (its ``keys``, or all of it) when what
+    is there differs; None when it is the same or not there yet (created as it renders)."""
     for m in manifests:
         if m["kind"] == "ConfigMap" and m["metadata"]["name"] == name:
             have = children.data_hashes.get(name)
             if have is not None and have != data_hash(m["data"]):
-                keys = (C.GLOBAL_CONFIG_FILE, C.EMBEDDING_CONFIG_FILE)
-                return Patch("ConfigMap", name, {"data": {k: m["data"].get(k) for k in keys}})
+                return Patch("ConfigMap", name, {"data": m["data"] if keys is None else
+                                                 {k: m["data"].get(k) for k in keys}})
     return None
 
 
@@ -81,16 +88,9 @@ def _stale_nats_config(job: str, manifests: list[dict[str, Any]], children: Chil
     change): it was only ever created, so `nats.replicas` 1 -> 3 resumed three servers without a
     `cluster` block (no routes), and a new `maxPayload` never reached the servers. Never while
     the NATS runs: a server restarted then would run another configuration than its peers."""
-    nats = children.workload("StatefulSet", naming.nats_name(job))
-    if nats is not None:
+    if children.workload("StatefulSet", naming.nats_name(job)) is not None:
         return None  # running, or being deleted (then rewritten once it is gone)
-    name = naming.nats_config_name(job)
-    for m in manifests:
-        if m["kind"] == "ConfigMap" and m["metadata"]["name"] == name:
-            have = children.data_hashes.get(name)
-            if have is not None and have != data_hash(m["data"]):
-                return Patch("ConfigMap", name, {"data": m["data"]})
-    return None
+    return _rewritten(naming.nats_config_name(job), manifests, children)
 
 
 def _pod_group_resize(manifest: dict[str, Any], children: Children) -> Patch | None:

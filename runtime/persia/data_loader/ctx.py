@@ -477,6 +477,22 @@ class DataCtx(BaseCtx):
                         "(an empty file or glob, a filter that drops every row, a shard past the end); "
                         "the NN ranks train nothing from it", self.replica_index)
 
+    def _stop_sending(self, send_held: bool) -> list:
+        """Wait for other threads' sends (acknowledged or failed), stop the hold thread and take
+        the batches it held; with ``send_held`` they count as in flight, to be sent by the caller."""
+        with self._sending:
+            while self._in_flight:
+                self._sending.wait()
+            held = self._groups.drain()
+            self._closed = True  # the hold thread takes nothing more
+            self._hold_wake.notify()
+            if held and send_held:
+                self._in_flight += 1
+            self._show_sending()
+        if self._holder is not None:
+            self._holder.join()
+        return held
+
     def _abandon(self) -> None:
         """Stop after an NN rank refused this process's batches (``TrainerRestarted``), telling the
         ranks nothing: no end of epoch (its counts include what the rank's earlier process took)
@@ -484,15 +500,7 @@ class DataCtx(BaseCtx):
         held are dropped unsent; the restarted process sends them."""
         if self._closed:
             return
-        with self._sending:
-            while self._in_flight:
-                self._sending.wait()
-            dropped = self._groups.drain()
-            self._closed = True
-            self._hold_wake.notify()
-            self._show_sending()
-        if self._holder is not None:
-            self._holder.join()
+        dropped = self._stop_sending(send_held=False)
         self._stream.ended = True
         log.error("data loader %d: stopped without ending its stream (an NN rank refused its batches: it restarted, "
                   "or the ranks were rescaled; %d held batches not sent): restart this data loader, it resends from "
@@ -503,17 +511,7 @@ class DataCtx(BaseCtx):
         """End this epoch (or, with ``failure``, the whole stream, so the trainer stops and says why)."""
         if self._closed:
             return
-        with self._sending:
-            while self._in_flight:  # other threads' sends: acknowledged or failed before the epoch ends
-                self._sending.wait()
-            held = self._groups.drain()
-            self._closed = True  # the hold thread takes nothing more
-            self._hold_wake.notify()
-            if held:
-                self._in_flight += 1
-            self._show_sending()
-        if self._holder is not None:
-            self._holder.join()
+        held = self._stop_sending(send_held=True)
         held_failed = None
         if held:  # before the end of the epoch, which counts them
             try:

@@ -399,14 +399,16 @@ class StreamingDataset(IterableDatasetBase):
                 self._space.wait(left)
 
     def _on_batch(self, msg: dict, wait: bool = True) -> Any:
-        # a restarted data loader counts its ids from 0 again: its session tells its batches apart
-        key = (int(msg.get("loader", 0)), msg.get("session"), int(msg["batch_id"]))
-        with self._lock:
-            if key in self._state.seen:  # a retried send whose first reply was lost: train it once
-                return {"queued": True, "duplicate": True}
         refused = self._state.admit(msg)
         if refused is not None:
             return {"queued": False, "refused": refused}
+        return self._queue(msg, wait)
+
+    def _queue(self, msg: dict, wait: bool) -> Any:
+        """An admitted batch into the buffer, once (a retried send whose first reply was lost is
+        answered as queued again)."""
+        # a restarted data loader counts its ids from 0 again: its session tells its batches apart
+        key = (int(msg.get("loader", 0)), msg.get("session"), int(msg["batch_id"]))
         with self._lock:
             if key in self._state.seen:
                 return {"queued": True, "duplicate": True}
@@ -428,8 +430,8 @@ class StreamingDataset(IterableDatasetBase):
             if refused is not None:
                 return {"queued": False, "refused": refused}
         for batch in msg["batches"]:
-            answer = self._on_batch(batch, wait)
-            if answer is BUSY or answer is WOULD_BLOCK or answer.get("refused"):
+            answer = self._queue(batch, wait)
+            if answer is BUSY or answer is WOULD_BLOCK:
                 return answer
         return {"queued": True}
 

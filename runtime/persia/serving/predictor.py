@@ -158,8 +158,7 @@ class Predictor:
                 self._reads = (model, model_reads(model))
             return self._reads[1]
 
-    def _keep_probe(self, batch: PersiaBatch, non_id: list, emb: list) -> None:
-        sig = signature(batch)
+    def _keep_probe(self, sig, non_id: list, emb: list) -> None:
         if self._probe is not None and self._probe[0] == sig:
             return
         if not all(isinstance(t, torch.Tensor) for t in [*non_id, *emb]):
@@ -230,11 +229,12 @@ class Predictor:
                     raise
                 raise err from None
         out = out.detach().float().cpu().numpy()
-        self._keep_probe(batch, non_id, emb)
+        sig = signature(batch)
+        self._keep_probe(sig, non_id, emb)
         known = self._known_inputs(model)
         with self._known_lock:
             if len(known) < _KNOWN_INPUTS:
-                known.setdefault(signature(batch), True)
+                known.setdefault(sig, True)
         return out.reshape(-1, 1) if out.ndim == 1 else out
 
     def run(self, batches: Sequence[PersiaBatch], deadline: float | None = None) -> list:
