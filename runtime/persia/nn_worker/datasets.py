@@ -402,9 +402,9 @@ class StreamingDataset(IterableDatasetBase):
         refused = self._state.admit(msg)
         if refused is not None:
             return {"queued": False, "refused": refused}
-        return self._queue(msg, wait)
+        return self._enqueue(msg, wait)
 
-    def _queue(self, msg: dict, wait: bool) -> Any:
+    def _enqueue(self, msg: dict, wait: bool) -> Any:
         """An admitted batch into the buffer, once (a retried send whose first reply was lost is
         answered as queued again)."""
         # a restarted data loader counts its ids from 0 again: its session tells its batches apart
@@ -430,7 +430,7 @@ class StreamingDataset(IterableDatasetBase):
             if refused is not None:
                 return {"queued": False, "refused": refused}
         for batch in msg["batches"]:
-            answer = self._queue(batch, wait)
+            answer = self._enqueue(batch, wait)
             if answer is BUSY or answer is WOULD_BLOCK:
                 return answer
         return {"queued": True}
